@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create or refresh .venv (Python 3.11) with the pinned environment in requirements/lock.txt.
+# Cheap when nothing changed: a stamp of the lock file and pyproject.toml decides.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${SPARKTORCH_VENV:-$root/.venv}"
+python="${PYTHON:-python3.11}"
+stamp="$venv/.sparktorch-stamp"
+want="$(cat "$root/requirements/lock.txt" "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+
+quiet_pip() {
+  # pip.conf on some machines names local indexes that may be absent; those warnings are noise.
+  "$venv/bin/python" -m pip "$@" 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
+}
+
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv"
+fi
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+  echo "setting up $venv (pinned: requirements/lock.txt)..."
+  quiet_pip install -q --upgrade pip
+  quiet_pip install -q -r "$root/requirements/lock.txt"
+  quiet_pip install -q --no-deps -e "$root"
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,53 @@
+"""sparktorch_ops: run torchrun training on Spark, from Airflow and Prefect.
+
+Importing this package imports neither pyspark, torch, Airflow nor Prefect; each is imported
+when first needed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sparktorch_ops.errors import (
+    ChannelError,
+    ConfigError,
+    ResourceError,
+    SparkTorchError,
+    StartTimeoutError,
+    TrainingCancelledError,
+    TrainingFailedError,
+    TrainingTimeoutError,
+)
+from sparktorch_ops.reporting import report
+from sparktorch_ops.results import MetricRecord, RankFailure, RunResult
+
+if TYPE_CHECKING:
+    from sparktorch_ops.distributor import TorchDistributor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ChannelError",
+    "ConfigError",
+    "MetricRecord",
+    "RankFailure",
+    "ResourceError",
+    "RunResult",
+    "SparkTorchError",
+    "StartTimeoutError",
+    "TorchDistributor",
+    "TrainingCancelledError",
+    "TrainingFailedError",
+    "TrainingTimeoutError",
+    "report",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The distributor pulls in cloudpickle and psutil; keep `import sparktorch_ops` (done by
+    # every rank for report()) as light as the names it needs.
+    if name == "TorchDistributor":
+        from sparktorch_ops.distributor import TorchDistributor
+
+        return TorchDistributor
+    raise AttributeError(f"module 'sparktorch_ops' has no attribute {name!r}")

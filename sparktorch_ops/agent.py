@@ -1,0 +1,34 @@
+"""A node's torchrun agent: ``torch.distributed.run`` itself, made to die with its parent.
+
+The launcher (the driver in local mode, a barrier task otherwise) starts
+``python -m sparktorch_ops.agent RUN_ID <torchrun arguments>``. This sets the parent-death
+signal, exports its pid for the ranks' supervisors, and then runs torchrun's own ``main`` in
+this process: the same launcher, rendezvous, restarts and error files as the ``torchrun``
+command, plus a SIGTERM (torchrun's orderly shutdown of its workers) when the launcher vanishes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from sparktorch_ops.bootstrap import AGENT_PID_ENV
+from sparktorch_ops.process import die_with_parent, start_parent_watchdog
+
+LAUNCHER_PID_ENV = "SPARKTORCH_OPS_LAUNCHER_PID"
+
+
+def main() -> None:
+    """Entry point; ``sys.argv[1]`` is the run id (a marker in the process table)."""
+    launcher = int(os.environ.get(LAUNCHER_PID_ENV, os.getppid()))
+    die_with_parent(signal.SIGTERM, launcher)
+    start_parent_watchdog(lambda: os.kill(os.getpid(), signal.SIGTERM))
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+    from torch.distributed.run import main as torchrun_main
+
+    torchrun_main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The program torchrun starts for each rank: it supervises the rank process.
+
+It connects to the driver's channel, starts :mod:`sparktorch_ops.worker` (the user's code) with
+its output piped, forwards every line of it to the driver, and reports how it exited. The rank
+process dies with this one (``PR_SET_PDEATHSIG``), and this one stops it when its own parent
+(torchrun's agent) dies or the driver closes the channel, so nothing outlives the run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from sparktorch_ops import channel
+from sparktorch_ops.planning import CHANNEL_ENV, NODE_HOST_ENV, TOKEN_ENV
+from sparktorch_ops.process import (
+    die_with_parent,
+    pump_lines,
+    set_parent_death_signal,
+    start_parent_watchdog,
+)
+from sparktorch_ops.results import signal_name
+
+AGENT_PID_ENV = "SPARKTORCH_OPS_AGENT_PID"
+_TERMINATE_GRACE_S = 5.0
+
+
+class Supervisor:
+    """Runs one rank process and reports it to the driver."""
+
+    def __init__(self, client: channel.ChannelClient) -> None:
+        self.client = client
+        self.child: subprocess.Popen[bytes] | None = None
+        self.finishing = False
+
+    def start(self) -> None:
+        """Start the rank process (before any thread exists: preexec_fn must not race)."""
+        self.child = subprocess.Popen(
+            [sys.executable, "-u", "-m", "sparktorch_ops.worker"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL),
+        )
+
+    def stop_child(self, signum: int = signal.SIGTERM) -> None:
+        """Signal the rank process; SIGKILL it if it is still there after the grace period."""
+        child = self.child
+        if child is None or child.poll() is not None:
+            return
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            return
+
+        def escalate() -> None:
+            deadline = time.monotonic() + _TERMINATE_GRACE_S
+            while child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if child.poll() is None:
+                child.kill()
+
+        threading.Thread(target=escalate, daemon=True).start()
+
+    def _forward(self, kind: int) -> Any:
+        def emit(lines: list[str]) -> None:
+            try:
+                self.client.send(kind, "\n".join(lines).encode("utf-8", errors="replace"))
+            except channel.ChannelError:
+                self.stop_child(signal.SIGKILL)
+
+        return emit
+
+    def _on_driver_gone(self) -> None:
+        self.client.wait_closed()
+        if not self.finishing:
+            self.stop_child(signal.SIGKILL)
+
+    def run(self) -> int:
+        """Supervise until the rank process exits; return its exit status for torchrun."""
+        assert self.child is not None and self.child.stdout and self.child.stderr
+        streams = ((self.child.stdout, channel.STDOUT), (self.child.stderr, channel.STDERR))
+        pumps = [
+            threading.Thread(target=pump_lines, args=(s, self._forward(k)), daemon=True)
+            for s, k in streams
+        ]
+        for pump in pumps:
+            pump.start()
+        threading.Thread(target=self._on_driver_gone, daemon=True).start()
+        returncode = self.child.wait()
+        for pump in pumps:  # a grandchild may hold the pipes open: do not wait for it forever
+            pump.join(timeout=5)
+        self.finishing = True
+        record: dict[str, Any] = {"time": time.time()}
+        if returncode < 0:
+            record.update(exit_code=None, signal=signal_name(-returncode))
+        else:
+            record.update(exit_code=returncode, signal=None)
+        try:
+            self.client.send_json(channel.EXIT, record)
+        except channel.ChannelError:
+            pass
+        self.client.close()
+        return returncode
+
+
+def main() -> None:
+    """Entry point of ``python -m sparktorch_ops.bootstrap RUN_ID``."""
+    agent_pid = int(os.environ.get(AGENT_PID_ENV, os.getppid()))
+    die_with_parent(signal.SIGTERM, agent_pid)
+    hello = {
+        "role": "supervisor",
+        "rank": int(os.environ["RANK"]),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "group_rank": int(os.environ.get("GROUP_RANK", "0")),
+        "host": os.environ.get(NODE_HOST_ENV, ""),
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "pid": os.getpid(),
+    }
+    client = channel.ChannelClient.connect(os.environ[CHANNEL_ENV], os.environ[TOKEN_ENV], hello)
+    supervisor = Supervisor(client)
+    supervisor.start()
+    signal.signal(signal.SIGTERM, lambda signum, frame: supervisor.stop_child(signum))
+    signal.signal(signal.SIGINT, lambda signum, frame: supervisor.stop_child(signum))
+    start_parent_watchdog(lambda: supervisor.stop_child(signal.SIGKILL))
+    returncode = supervisor.run()
+    if returncode < 0:  # die the way the rank died, so torchrun reports the same signal
+        signal.signal(-returncode, signal.SIG_DFL)
+        os.kill(os.getpid(), -returncode)
+    sys.exit(returncode)
+
+
+if __name__ == "__main__":
+    main()

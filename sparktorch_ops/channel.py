@@ -1,0 +1,342 @@
+"""The authenticated rank -> driver channel.
+
+One TCP listener per run, on the driver's address. Every client (rank supervisor, rank worker,
+barrier node) opens a connection and must send a HELLO frame carrying the run's random token
+before anything else is read; a client that does not is dropped and logged. After that the
+client sends framed messages: log lines, metrics, result bytes, exit and failure records. The
+driver never writes; it closes connections to tell clients that the run is over, and every
+client treats end-of-file as "the driver is gone: stop".
+
+Frame: 1 byte kind, 4 bytes big-endian length, payload.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hmac
+import json
+import logging
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sparktorch_ops.errors import ChannelError
+
+HELLO = 1
+STDOUT = 2
+STDERR = 3
+METRIC = 4
+RESULT_CHUNK = 5
+RESULT_END = 6
+EXIT = 7
+FAILURE = 8
+
+_HEADER = struct.Struct("!BI")
+MAX_FRAME = 64 << 20
+RESULT_CHUNK_SIZE = 4 << 20
+_MAX_HELLO = 64 << 10
+_HELLO_DEADLINE_S = 15.0
+
+
+def encode_frame(kind: int, payload: bytes) -> bytes:
+    """One frame: kind, length, payload."""
+    if len(payload) > MAX_FRAME:
+        raise ValueError(f"frame of {len(payload)} bytes exceeds {MAX_FRAME}")
+    return _HEADER.pack(kind, len(payload)) + payload
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def join_address(host: str, port: int) -> str:
+    """``(host, port)`` -> ``"host:port"``, bracketing IPv6 literals."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass
+class Peer:
+    """An authenticated client connection, as the handler sees it."""
+
+    conn_id: int
+    hello: dict[str, Any]
+    address: str
+
+
+class ChannelHandler:
+    """What the server calls; runs on the server's thread, so keep each call short."""
+
+    def on_hello(self, peer: Peer) -> None:
+        """A client authenticated."""
+
+    def on_frame(self, peer: Peer, kind: int, payload: bytes) -> None:
+        """A frame arrived from an authenticated client."""
+
+    def on_closed(self, peer: Peer) -> None:
+        """An authenticated client's connection ended (cleanly or not)."""
+
+
+class _Connection:
+    __slots__ = ("sock", "address", "buffer", "peer", "opened")
+
+    def __init__(self, sock: socket.socket, address: str) -> None:
+        self.sock = sock
+        self.address = address
+        self.buffer = bytearray()
+        self.peer: Peer | None = None
+        self.opened = time.monotonic()
+
+
+class ChannelServer:
+    """The driver's listener for one run.
+
+    Args:
+        host: the address to bind (loopback in local mode, the driver host otherwise).
+        handler: receives hellos, frames and closes.
+        logger: where dropped clients are reported.
+        token: the secret clients must present (a fresh random one is typical).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        handler: ChannelHandler,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+        token: str,
+    ) -> None:
+        self._handler = handler
+        self._log = logger
+        self.token = token
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, 0), family=family, backlog=128)
+        self._listener.setblocking(False)
+        self.address = join_address(host, self._listener.getsockname()[1])
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._connections: dict[int, _Connection] = {}
+        self._next_id = 0
+        self._stopping = False
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._serve,), name="sparktorch-channel", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def open_connections(self) -> int:
+        """How many authenticated clients are connected now."""
+        return sum(1 for c in list(self._connections.values()) if c.peer is not None)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Close every connection and the listener; wait for the server thread. Idempotent."""
+        self._stopping = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout)
+
+    def drain(self, until: Callable[[], bool], timeout: float) -> bool:
+        """Wait (polling) until ``until()`` holds or ``timeout`` passes; True if it held."""
+        deadline = time.monotonic() + timeout
+        while not until():
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                return until()
+            time.sleep(0.02)
+        return True
+
+    def _serve(self) -> None:
+        try:
+            while not self._stopping:
+                for key, _ in self._selector.select(timeout=1.0):
+                    if key.data is None:
+                        self._accept()
+                    elif key.data == "wake":
+                        self._wake_r.recv(64)
+                    else:
+                        self._read(key.data)
+                self._drop_silent_clients()
+        except Exception:  # a bug here must not hang the run: report and close everything
+            self._log.exception("sparktorch_ops channel server failed")
+        finally:
+            for conn in list(self._connections.values()):
+                self._close(conn)
+            self._selector.close()
+            self._listener.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.setblocking(False)
+            conn = _Connection(sock, join_address(str(addr[0]), int(addr[1])))
+            self._next_id += 1
+            self._connections[self._next_id] = conn
+            self._selector.register(sock, selectors.EVENT_READ, self._next_id)
+
+    def _read(self, conn_id: int) -> None:
+        conn = self._connections.get(conn_id)
+        if conn is None:
+            return
+        try:
+            data = conn.sock.recv(1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close(conn)
+            return
+        conn.buffer += data
+        self._parse(conn_id, conn)
+
+    def _parse(self, conn_id: int, conn: _Connection) -> None:
+        buffer = conn.buffer
+        offset = 0
+        while len(buffer) - offset >= _HEADER.size:
+            kind, length = _HEADER.unpack_from(buffer, offset)
+            if conn.peer is None and (kind != HELLO or length > _MAX_HELLO):
+                self._reject(conn, "did not start with a valid HELLO")
+                return
+            if length > MAX_FRAME:
+                self._reject(conn, f"sent a frame of {length} bytes")
+                return
+            end = offset + _HEADER.size + length
+            if len(buffer) < end:
+                break
+            payload = bytes(buffer[offset + _HEADER.size : end])
+            offset = end
+            if conn.peer is None:
+                if not self._authenticate(conn_id, conn, payload):
+                    return
+            else:
+                self._handler.on_frame(conn.peer, kind, payload)
+        if offset:
+            del buffer[:offset]
+
+    def _authenticate(self, conn_id: int, conn: _Connection, payload: bytes) -> bool:
+        try:
+            hello = json.loads(payload)
+            token = hello.pop("token")
+        except (ValueError, KeyError, AttributeError, TypeError):
+            self._reject(conn, "sent a malformed HELLO")
+            return False
+        if not isinstance(token, str) or not hmac.compare_digest(
+            token.encode(), self.token.encode()
+        ):
+            self._reject(conn, "presented a wrong token")
+            return False
+        conn.peer = Peer(conn_id=conn_id, hello=hello, address=conn.address)
+        self._handler.on_hello(conn.peer)
+        return True
+
+    def _reject(self, conn: _Connection, why: str) -> None:
+        self._log.warning(
+            "sparktorch_ops channel: dropped a client from %s that %s", conn.address, why
+        )
+        self._close(conn)
+
+    def _drop_silent_clients(self) -> None:
+        now = time.monotonic()
+        for conn in list(self._connections.values()):
+            if conn.peer is None and now - conn.opened > _HELLO_DEADLINE_S:
+                self._reject(conn, f"sent no HELLO within {_HELLO_DEADLINE_S:g} s")
+
+    def _close(self, conn: _Connection) -> None:
+        for conn_id, known in list(self._connections.items()):
+            if known is conn:
+                del self._connections[conn_id]
+        try:
+            self._selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+        if conn.peer is not None:
+            peer, conn.peer = conn.peer, None
+            self._handler.on_closed(peer)
+
+
+class ChannelClient:
+    """A rank-side connection to the driver. ``send`` is thread-safe."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._lock = threading.Lock()
+        self.closed = False
+
+    @classmethod
+    def connect(
+        cls, address: str, token: str, hello: dict[str, Any], timeout: float = 30.0
+    ) -> ChannelClient:
+        """Connect and authenticate.
+
+        Raises:
+            ChannelError: the driver cannot be reached.
+        """
+        host, port = split_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise ChannelError(f"cannot reach the driver's channel at {address}: {exc}") from exc
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        client = cls(sock)
+        client.send(HELLO, json.dumps({**hello, "token": token}).encode())
+        return client
+
+    def send(self, kind: int, payload: bytes) -> None:
+        """Send one frame.
+
+        Raises:
+            ChannelError: the connection is gone.
+        """
+        frame = encode_frame(kind, payload)
+        with self._lock:
+            try:
+                self._sock.sendall(frame)
+            except OSError as exc:
+                self.closed = True
+                raise ChannelError(f"lost the driver's channel: {exc}") from exc
+
+    def send_json(self, kind: int, record: dict[str, Any]) -> None:
+        """Send one frame holding a JSON object."""
+        self.send(kind, json.dumps(record).encode())
+
+    def send_result(self, data: bytes) -> None:
+        """Send result bytes in chunks, then the end marker with the total size."""
+        view = memoryview(data)
+        for start in range(0, len(view), RESULT_CHUNK_SIZE):
+            self.send(RESULT_CHUNK, bytes(view[start : start + RESULT_CHUNK_SIZE]))
+        self.send_json(RESULT_END, {"size": len(data)})
+
+    def wait_closed(self) -> None:
+        """Block until the driver closes the connection (or it breaks)."""
+        try:
+            while self._sock.recv(4096):
+                pass
+        except OSError:
+            pass
+        self.closed = True
+
+    def close(self) -> None:
+        """Close the connection. Idempotent."""
+        self.closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()

@@ -1,0 +1,280 @@
+"""The driver's side of the channel: what every rank said, and whether the run has failed.
+
+Runs on the channel server's thread. Log lines go to the caller's logger as they arrive
+(stdout at INFO, stderr at WARNING, prefixed with rank and host); metrics go to ``on_metrics``;
+rank 0's result bytes are assembled; exits and failures are recorded in arrival order, which
+picks the root cause.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparktorch_ops import channel
+from sparktorch_ops.results import MetricRecord, RankFailure
+
+TAIL_LINES = 200
+FAILURE_TAIL_LINES = 60
+SCRIPT_OUTPUT_CAP = 4 << 20
+AGENT = -1  # pseudo-rank of a node's torchrun agent output
+
+
+@dataclass
+class _RankState:
+    host: str = ""
+    attempt: int = 0
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    exit_code: int | None = None
+    signal: str | None = None
+    exited: bool = False
+    reason: str = ""
+    failed_at: float | None = None
+
+
+class RunCollector(channel.ChannelHandler):
+    """Collects one run's output, metrics, result and failures.
+
+    Args:
+        logger: receives every forwarded line.
+        log_ranks: ranks whose lines are forwarded (None: all); all are kept in tails.
+        on_metrics: called with each :class:`MetricRecord`; exceptions are logged, not raised.
+        max_restarts: torchrun's restarts: a failure is fatal only in the last attempt.
+        keep_rank0_stdout: keep rank 0's stdout (up to 4 MiB, the tail) as a script's value.
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+        *,
+        log_ranks: frozenset[int] | None,
+        on_metrics: Callable[[MetricRecord], None] | None,
+        max_restarts: int,
+        keep_rank0_stdout: bool,
+    ) -> None:
+        self._log = logger
+        self._log_ranks = log_ranks
+        self._on_metrics = on_metrics
+        self._max_restarts = max_restarts
+        self._keep_stdout = keep_rank0_stdout
+        self._lock = threading.Lock()
+        self.ranks: dict[int, _RankState] = {}
+        self.agent_tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.metrics: list[MetricRecord] = []
+        self._steps: dict[int, int] = {}
+        self._stdout: deque[str] = deque()
+        self._stdout_bytes = 0
+        self.stdout_truncated = False
+        self._result = bytearray()
+        self.result: bytes | None = None
+        self.attempt = 0
+        self.failure_order: list[int] = []
+        self.fatal = False
+        self.tearing_down = False
+        self.open_peers: dict[int, dict[str, Any]] = {}
+        self.nodes_exited: dict[int, int | None] = {}
+        self.nodes_seen: set[int] = set()
+        self._retried = False
+
+    # -- channel callbacks -------------------------------------------------------------------
+    def on_hello(self, peer: channel.Peer) -> None:
+        hello = peer.hello
+        with self._lock:
+            self.open_peers[peer.conn_id] = hello
+            attempt = int(hello.get("attempt", 0))
+            if attempt > self.attempt:
+                self._new_attempt(attempt)
+            if hello.get("role") == "node":
+                node = int(hello.get("node", 0))
+                if node in self.nodes_seen:
+                    self._retried = True
+                self.nodes_seen.add(node)
+            if hello.get("role") == "supervisor":
+                state = self.ranks.setdefault(int(hello["rank"]), _RankState())
+                state.host = str(hello.get("host") or peer.address.rsplit(":", 1)[0])
+                state.attempt = attempt
+        if self._retried:
+            self._fail(AGENT, "Spark retried the barrier stage; sparktorch_ops refuses retries")
+
+    def on_frame(self, peer: channel.Peer, kind: int, payload: bytes) -> None:
+        hello = peer.hello
+        role = hello.get("role")
+        if kind in (channel.STDOUT, channel.STDERR):
+            lines = payload.decode("utf-8", errors="replace").split("\n")
+            if role == "node":
+                self._agent_lines(int(hello.get("node", 0)), str(hello.get("host", "")), kind, lines)
+            else:
+                self._rank_lines(int(hello["rank"]), kind, lines)
+        elif kind == channel.METRIC:
+            self._metric(int(hello["rank"]), json.loads(payload))
+        elif kind == channel.RESULT_CHUNK and int(hello["rank"]) == 0:
+            self._result += payload
+        elif kind == channel.RESULT_END and int(hello["rank"]) == 0:
+            size = json.loads(payload)["size"]
+            if size == len(self._result):
+                self.result = bytes(self._result)
+            self._result = bytearray()
+        elif kind == channel.FAILURE:
+            record = json.loads(payload)
+            self._fail(int(hello["rank"]), f"{record['type']}: {record['message']}".strip())
+        elif kind == channel.EXIT:
+            record = json.loads(payload)
+            if role == "node":
+                with self._lock:
+                    self.nodes_exited[int(hello.get("node", 0))] = record.get("exit_code")
+            else:
+                self._exit(int(hello["rank"]), record)
+
+    def on_closed(self, peer: channel.Peer) -> None:
+        hello = peer.hello
+        with self._lock:
+            self.open_peers.pop(peer.conn_id, None)
+        if int(hello.get("attempt", 0)) < self.attempt:
+            return
+        if hello.get("role") == "supervisor":
+            rank = int(hello["rank"])
+            state = self.ranks.get(rank)
+            if state is not None and not state.exited:
+                self._fail(rank, "the rank's process vanished (killed, or its host was lost)")
+        elif hello.get("role") == "node":
+            node = int(hello.get("node", 0))
+            if node not in self.nodes_exited:
+                self._fail(
+                    AGENT, f"barrier task {node} on {hello.get('host')} was lost (executor died?)"
+                )
+
+    # -- state -------------------------------------------------------------------------------
+    def _new_attempt(self, attempt: int) -> None:
+        self.attempt = attempt
+        self.failure_order = []
+        for state in self.ranks.values():
+            state.exited, state.exit_code, state.signal = False, None, None
+            state.reason, state.failed_at = "", None
+        self._result = bytearray()
+        self.result = None
+
+    def _rank_lines(self, rank: int, kind: int, lines: list[str]) -> None:
+        state = self.ranks.setdefault(rank, _RankState())
+        state.tail.extend(lines)
+        if rank == 0 and kind == channel.STDOUT and self._keep_stdout:
+            self._keep_rank0_stdout(lines)
+        if self._log_ranks is not None and rank not in self._log_ranks:
+            return
+        level = logging.INFO if kind == channel.STDOUT else logging.WARNING
+        prefix = f"[rank {rank}|{state.host}]"
+        for line in lines:
+            self._log.log(level, "%s %s", prefix, line)
+
+    def _agent_lines(self, node: int, host: str, kind: int, lines: list[str]) -> None:
+        self.agent_tail.extend(lines)
+        level = logging.INFO if kind == channel.STDOUT else logging.WARNING
+        prefix = f"[torchrun node {node}|{host}]"
+        for line in lines:
+            self._log.log(level, "%s %s", prefix, line)
+
+    def agent_output(self, node: int, host: str, stderr: bool) -> Callable[[list[str]], None]:
+        """An ``emit`` for :func:`~sparktorch_ops.process.pump_lines` of a local agent."""
+        kind = channel.STDERR if stderr else channel.STDOUT
+
+        def emit(lines: list[str]) -> None:
+            with self._lock:
+                self._agent_lines(node, host, kind, lines)
+
+        return emit
+
+    def _keep_rank0_stdout(self, lines: list[str]) -> None:
+        for line in lines:
+            self._stdout.append(line)
+            self._stdout_bytes += len(line) + 1
+        while self._stdout_bytes > SCRIPT_OUTPUT_CAP and len(self._stdout) > 1:
+            self._stdout_bytes -= len(self._stdout.popleft()) + 1
+            self.stdout_truncated = True
+
+    def rank0_stdout(self) -> str:
+        """Rank 0's stdout (its tail, with a note, when it exceeded the cap)."""
+        text = "\n".join(self._stdout) + ("\n" if self._stdout else "")
+        if self.stdout_truncated:
+            note = f"[sparktorch_ops: earlier output dropped; the last {SCRIPT_OUTPUT_CAP} bytes follow]\n"
+            return note + text
+        return text
+
+    def _metric(self, rank: int, record: dict[str, Any]) -> None:
+        metric = MetricRecord(
+            rank=rank,
+            step=int(record["step"]),
+            time=float(record["time"]),
+            values=dict(record["values"]),
+            progress=record.get("progress"),
+        )
+        self.metrics.append(metric)
+        if self._on_metrics is not None:
+            try:
+                self._on_metrics(metric)
+            except Exception:
+                self._log.exception("sparktorch_ops: the on_metrics callback raised; ignored")
+
+    def _exit(self, rank: int, record: dict[str, Any]) -> None:
+        state = self.ranks.setdefault(rank, _RankState())
+        state.exited = True
+        state.exit_code = record.get("exit_code")
+        state.signal = record.get("signal")
+        if state.exit_code != 0:
+            self._fail(rank, "")
+
+    def _fail(self, rank: int, reason: str) -> None:
+        with self._lock:
+            state = self.ranks.setdefault(rank, _RankState())
+            if reason and not state.reason:
+                state.reason = reason
+            if state.failed_at is None:
+                state.failed_at = time.time()
+                self.failure_order.append(rank)
+                if self.attempt >= self._max_restarts:
+                    self.fatal = True
+
+    # -- summaries ---------------------------------------------------------------------------
+    def exit_codes(self) -> dict[int, int]:
+        """Exit code per rank that reported one."""
+        return {
+            rank: state.exit_code
+            for rank, state in sorted(self.ranks.items())
+            if rank >= 0 and state.exit_code is not None
+        }
+
+    def outputs(self) -> dict[int, str]:
+        """The tail of every rank's output."""
+        return {rank: "\n".join(s.tail) for rank, s in sorted(self.ranks.items()) if rank >= 0}
+
+    def failures(self) -> list[RankFailure]:
+        """Failed ranks of the last attempt, root cause first."""
+        failures = []
+        for rank in self.failure_order:
+            state = self.ranks[rank]
+            tail = self.agent_tail if rank == AGENT else state.tail
+            failures.append(
+                RankFailure(
+                    rank=rank,
+                    host=state.host,
+                    exit_code=state.exit_code,
+                    signal=state.signal,
+                    reason=state.reason,
+                    output_tail="\n".join(list(tail)[-FAILURE_TAIL_LINES:]),
+                    timestamp=state.failed_at or 0.0,
+                )
+            )
+        return failures
+
+    def started_ranks(self) -> int:
+        """How many ranks have connected so far."""
+        return sum(1 for rank in self.ranks if rank >= 0)
+
+    def supervisors_done(self, num_processes: int) -> bool:
+        """Every rank of the current attempt reported its exit and every client hung up."""
+        exited = sum(1 for r, s in self.ranks.items() if r >= 0 and s.exited)
+        return exited >= num_processes and not self.open_peers

@@ -1,0 +1,190 @@
+"""Code shipping: what a rank runs, packed on the driver and unpacked where the rank runs.
+
+Functions travel with cloudpickle. A function whose module the ranks cannot import (``__main__``,
+an Airflow DAG file, a Prefect flow file, a test file: anything outside site-packages and the
+standard library) is pickled by value, together with the other such modules it references.
+Scripts travel as their bytes, so they need not exist on the executors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import sys
+import sysconfig
+import threading
+import types
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from sparktorch_ops.errors import ConfigError
+
+_REGISTRY_LOCK = threading.Lock()
+_MAX_BY_VALUE_MODULES = 64
+
+
+@dataclass(frozen=True)
+class FunctionCall:
+    """A pickled ``fn(*args, **kwargs)``."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Script:
+    """A script and its argv, with its bytes so it can run where it does not exist."""
+
+    driver_path: str
+    source: bytes
+    argv: tuple[str, ...]
+
+    @property
+    def sha256(self) -> str:
+        """The digest of the script's bytes."""
+        return hashlib.sha256(self.source).hexdigest()
+
+
+Payload = FunctionCall | Script
+
+
+def prepare(train_object: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Payload:
+    """Pack what the ranks will run; every problem is a ConfigError before anything starts.
+
+    Raises:
+        ConfigError: a missing script, kwargs for a script, an object that is neither callable
+            nor a path, or a function (or its arguments) that cannot be pickled.
+    """
+    if callable(train_object):
+        return FunctionCall(pickle_call(train_object, tuple(args), kwargs))
+    if isinstance(train_object, (str, os.PathLike)):
+        path = Path(train_object).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(
+                "train_object", f"script {str(train_object)!r} does not exist (resolved: {path})"
+            )
+        if kwargs:
+            raise ConfigError(
+                "kwargs",
+                f"a script takes command-line arguments only; pass {sorted(kwargs)} as "
+                "'--name=value' strings in args",
+            )
+        return Script(str(path), path.read_bytes(), tuple(str(a) for a in args))
+    raise ConfigError(
+        "train_object",
+        f"must be a callable or a path to a Python script, got {type(train_object).__name__}",
+    )
+
+
+def pickle_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """cloudpickle ``(fn, args, kwargs)``, shipping non-importable user modules by value."""
+    modules = list(_user_modules(fn))
+    with _REGISTRY_LOCK:
+        registered = []
+        try:
+            for module in modules:
+                try:
+                    cloudpickle.register_pickle_by_value(module)
+                    registered.append(module)
+                except ValueError:  # already registered by the caller
+                    pass
+            return cloudpickle.dumps((fn, args, kwargs))
+        except Exception as exc:
+            raise ConfigError(
+                "train_object",
+                f"{getattr(fn, '__qualname__', fn)!r} or its arguments cannot be pickled for "
+                f"the ranks: {type(exc).__name__}: {exc}",
+            ) from exc
+        finally:
+            for module in registered:
+                cloudpickle.unregister_pickle_by_value(module)
+
+
+def _installed_prefixes() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    prefixes = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    prefixes.update(p for p in sys.path if "site-packages" in p or "dist-packages" in p)
+    return tuple(os.path.realpath(p) + os.sep for p in prefixes)
+
+
+def _is_user_module(module: types.ModuleType, installed: tuple[str, ...]) -> bool:
+    name = module.__name__
+    if name == "__main__" or name.split(".")[0] in ("sparktorch_ops", "cloudpickle", "pyspark"):
+        return False  # __main__ goes by value anyway; our own package must be installed
+    file = getattr(module, "__file__", None)
+    if not file:
+        return False
+    return not os.path.realpath(file).startswith(installed)
+
+
+def _user_modules(fn: Any) -> Iterator[types.ModuleType]:
+    """Modules outside site-packages reachable from ``fn``'s globals, ``fn``'s own first."""
+    installed = _installed_prefixes()
+    seen: set[str] = set()
+    queue: list[types.ModuleType] = []
+
+    def visit(obj: Any) -> None:
+        if isinstance(obj, types.ModuleType):
+            module: types.ModuleType | None = obj
+        else:
+            module = sys.modules.get(getattr(obj, "__module__", None) or "")
+        if module is None or module.__name__ in seen:
+            return
+        seen.add(module.__name__)
+        if _is_user_module(module, installed):
+            queue.append(module)
+
+    target = getattr(fn, "func", fn)  # functools.partial
+    visit(target if not isinstance(target, types.ModuleType) else None)
+    visit(type(target))
+    index = 0
+    while index < len(queue) and len(queue) < _MAX_BY_VALUE_MODULES:
+        for value in list(vars(queue[index]).values()):
+            if isinstance(value, (types.ModuleType, types.FunctionType, type)):
+                visit(value)
+        index += 1
+    yield from queue
+
+
+def materialize(payload: Payload, directory: str) -> dict[str, Any]:
+    """The record a rank reads: the call's bytes, or a script path valid on this node.
+
+    A script runs in place when this node has it with the same bytes (so its sibling imports
+    work); otherwise its bytes are written into ``directory``.
+    """
+    if isinstance(payload, FunctionCall):
+        return {"kind": "function", "data": payload.data}
+    path = payload.driver_path
+    if not _same_file(path, payload.sha256):
+        path = os.path.join(directory, os.path.basename(payload.driver_path))
+        with open(path, "wb") as handle:
+            handle.write(payload.source)
+    return {"kind": "script", "path": path, "argv": list(payload.argv)}
+
+
+def _same_file(path: str, sha256: str) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return hashlib.sha256(handle.read()).hexdigest() == sha256
+    except OSError:
+        return False
+
+
+def write_rank_payload(payload: Payload, directory: str) -> str:
+    """Write the rank's record into ``directory``; return the file's path."""
+    record = materialize(payload, directory)
+    path = os.path.join(directory, "payload.pkl")
+    with open(path, "wb") as handle:
+        pickle.dump(record, handle)
+    return path
+
+
+def read_rank_payload(path: str) -> dict[str, Any]:
+    """Read the record written by :func:`write_rank_payload`."""
+    with open(path, "rb") as handle:
+        record: dict[str, Any] = pickle.load(handle)
+    return record

@@ -1,0 +1,229 @@
+"""Pure planning: torchrun argv, per-node environment, GPU selection and the task layout.
+
+Nothing here does I/O; every function is tested by exact equality.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from sparktorch_ops.errors import ConfigError, ResourceError
+
+# The environment every process of a run carries. RUN_ID_ENV doubles as the marker that finds
+# every process of a run in the process table (tests and operators use it).
+RUN_ID_ENV = "SPARKTORCH_OPS_RUN_ID"
+CHANNEL_ENV = "SPARKTORCH_OPS_CHANNEL"
+TOKEN_ENV = "SPARKTORCH_OPS_TOKEN"
+PAYLOAD_ENV = "SPARKTORCH_OPS_PAYLOAD"
+NODE_HOST_ENV = "SPARKTORCH_OPS_HOST"
+
+AGENT_MODULE = "sparktorch_ops.agent"
+BOOTSTRAP_MODULE = "sparktorch_ops.bootstrap"
+
+
+@dataclass(frozen=True)
+class AgentPlan:
+    """How one node's torchrun agent is started: its argv and its full environment."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class BarrierLayout:
+    """How ranks map onto barrier tasks: ``num_tasks`` tasks of ``ranks_per_task`` ranks each."""
+
+    num_tasks: int
+    ranks_per_task: int
+
+
+def agent_argv(
+    *,
+    python: str,
+    run_id: str,
+    nnodes: int,
+    nproc_per_node: int,
+    rdzv_endpoint: str,
+    local_addr: str,
+    max_restarts: int,
+    is_rdzv_host: bool | None,
+    join_timeout: float | None,
+    extra_args: Sequence[str],
+) -> tuple[str, ...]:
+    """The command line of one node's torchrun agent.
+
+    The agent is ``torch.distributed.run`` itself, entered through ``sparktorch_ops.agent`` so
+    that it dies with its parent. Every rank runs ``sparktorch_ops.bootstrap``, which runs the
+    user's function or script.
+
+    Args:
+        python: the interpreter on the node.
+        run_id: the run's id; also the rendezvous id.
+        nnodes: number of torchrun agents (1 in local mode, one per barrier task).
+        nproc_per_node: ranks this agent starts.
+        rdzv_endpoint: ``host:port`` of the c10d rendezvous store (port 0 lets the store bind
+            a free port itself, which only the local mode can use).
+        local_addr: this node's address, used for MASTER_ADDR when it hosts rank 0.
+        max_restarts: torchrun's ``--max-restarts``.
+        is_rdzv_host: whether this agent hosts the rendezvous store (None: torchrun decides).
+        join_timeout: seconds the rendezvous waits for all nodes (None: torchrun's default).
+        extra_args: user torchrun options, already validated.
+    """
+    conf = []
+    if is_rdzv_host is not None:
+        conf.append(f"is_host={'true' if is_rdzv_host else 'false'}")
+    if join_timeout is not None:
+        conf.append(f"join_timeout={max(1, int(join_timeout))}")
+    argv = [
+        python,
+        "-m",
+        AGENT_MODULE,
+        run_id,
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_endpoint}",
+        f"--rdzv-id={run_id}",
+        f"--max-restarts={max_restarts}",
+        f"--local-addr={local_addr}",
+    ]
+    if conf:
+        argv.append(f"--rdzv-conf={','.join(conf)}")
+    argv.extend(extra_args)
+    argv.extend(["-m", BOOTSTRAP_MODULE, run_id])
+    return tuple(argv)
+
+
+def agent_env(
+    base_env: Mapping[str, str],
+    user_env: Mapping[str, str],
+    *,
+    run_id: str,
+    channel: str,
+    token: str,
+    payload_path: str,
+    host: str,
+    omp_threads: int | None,
+    cuda_visible_devices: str | None,
+) -> dict[str, str]:
+    """The environment of one node's agent; torchrun passes it on to every rank it starts.
+
+    ``user_env`` wins over ``base_env``; OMP_NUM_THREADS is set only where neither sets it;
+    CUDA_VISIBLE_DEVICES is set whenever GPUs were assigned (and removed for CPU runs would be
+    wrong: a CPU run keeps whatever the node had).
+    """
+    env = dict(base_env)
+    env.update(user_env)
+    env[RUN_ID_ENV] = run_id
+    env[CHANNEL_ENV] = channel
+    env[TOKEN_ENV] = token
+    env[PAYLOAD_ENV] = payload_path
+    env[NODE_HOST_ENV] = host
+    if omp_threads is not None and "OMP_NUM_THREADS" not in user_env:
+        env["OMP_NUM_THREADS"] = str(omp_threads)
+    if cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+    return env
+
+
+def local_omp_threads(cpu_count: int | None, num_processes: int) -> int:
+    """Threads per rank in local mode: the driver's cores shared evenly (torchrun says 1)."""
+    return max(1, (cpu_count or 1) // num_processes)
+
+
+def barrier_omp_threads(task_cpus: int, ranks_per_task: int) -> int:
+    """Threads per rank in barrier mode: the task's ``spark.task.cpus`` shared by its ranks."""
+    return max(1, task_cpus // ranks_per_task)
+
+
+def barrier_layout(
+    num_processes: int, use_gpu: bool, task_gpu_amount: float | None
+) -> BarrierLayout:
+    """Tasks and ranks per task: one rank per task, or k per task with k GPUs per task.
+
+    Raises:
+        ResourceError: ``use_gpu`` without an integral ``spark.task.resource.gpu.amount``.
+        ConfigError: ``num_processes`` not a multiple of the GPUs per task.
+    """
+    if not use_gpu:
+        return BarrierLayout(num_tasks=num_processes, ranks_per_task=1)
+    if task_gpu_amount is None:
+        raise ResourceError(
+            "use_gpu",
+            "spark.task.resource.gpu.amount is not set, so Spark assigns no GPUs to tasks; "
+            "set it (and a GPU discovery script) to the GPUs per task, or pass use_gpu=False "
+            "to run on CPU",
+        )
+    if task_gpu_amount < 1 or task_gpu_amount != int(task_gpu_amount):
+        raise ResourceError(
+            "use_gpu",
+            f"spark.task.resource.gpu.amount={task_gpu_amount:g} is fractional; each rank "
+            "needs a whole GPU, so set it to a whole number (GPUs per task)",
+        )
+    per_task = int(task_gpu_amount)
+    if num_processes % per_task:
+        raise ConfigError(
+            "num_processes",
+            f"{num_processes} is not a multiple of spark.task.resource.gpu.amount={per_task} "
+            "(ranks per task); use a multiple of it",
+        )
+    return BarrierLayout(num_tasks=num_processes // per_task, ranks_per_task=per_task)
+
+
+def select_local_gpus(
+    num_processes: int,
+    *,
+    spark_driver_gpus: Sequence[str] | None,
+    cuda_visible_devices: str | None,
+    device_count: int,
+) -> list[str]:
+    """The driver GPUs a local-mode run takes, the same list for every rank.
+
+    Sources in order: the Spark session's ``spark.driver.resource.gpu`` addresses, a preset
+    ``CUDA_VISIBLE_DEVICES`` (sliced, not ignored), else the devices the machine has. The first
+    ``num_processes`` are taken, so ``cuda:LOCAL_RANK`` is a distinct GPU for every rank.
+
+    Raises:
+        ResourceError: fewer GPUs than ranks, or none at all.
+    """
+    if spark_driver_gpus is not None:
+        available, source = list(spark_driver_gpus), "spark.driver.resource.gpu"
+    elif cuda_visible_devices is not None and cuda_visible_devices.strip() != "":
+        available = [d.strip() for d in cuda_visible_devices.split(",") if d.strip()]
+        source = "CUDA_VISIBLE_DEVICES"
+    else:
+        available, source = [str(i) for i in range(device_count)], "this machine"
+    if not available:
+        raise ResourceError(
+            "use_gpu",
+            f"use_gpu=True but {source} has no GPU; pass use_gpu=False to run on CPU",
+        )
+    if len(available) < num_processes:
+        raise ResourceError(
+            "num_processes",
+            f"{num_processes} ranks need {num_processes} GPUs but {source} has "
+            f"{len(available)} ({','.join(available)}); lower num_processes or pass "
+            "use_gpu=False to run on CPU",
+        )
+    return available[:num_processes]
+
+
+def check_slots(required_tasks: int, available_slots: int, *, waited: bool) -> None:
+    """Fail before launch when the cluster has fewer barrier slots than tasks.
+
+    Raises:
+        ResourceError: naming ``num_processes`` and the slot counts.
+    """
+    if required_tasks <= available_slots:
+        return
+    advice = (
+        "lower num_processes, add executors"
+        if waited
+        else "lower num_processes, add executors, or pass start_timeout= to wait for executors"
+    )
+    raise ResourceError(
+        "num_processes",
+        f"the run needs {required_tasks} barrier task slots at once but the cluster has "
+        f"{available_slots} now; {advice}",
+    )

@@ -1,0 +1,234 @@
+"""Processes: die-with-parent, output line splitting, and tree termination."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import IO
+
+import psutil
+
+_PR_SET_PDEATHSIG = 1
+_libc: ctypes.CDLL | None
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+except OSError:  # not Linux: the watchdogs alone keep ranks from outliving their parents
+    _libc = None
+
+# A line longer than this is delivered in pieces of this size (no log record may eat all memory).
+MAX_LINE_BYTES = 8 << 20
+# A progress bar redrawn with '\r' is logged at most this often; its last state always is.
+CARRIAGE_RETURN_INTERVAL_S = 5.0
+
+
+def set_parent_death_signal(signum: int) -> None:
+    """Ask Linux to send ``signum`` to this process when its parent thread exits."""
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
+
+
+def die_with_parent(signum: int, expected_parent: int) -> None:
+    """Set the death signal and close the race where the parent died before it was set."""
+    set_parent_death_signal(signum)
+    if os.getppid() != expected_parent:
+        os.kill(os.getpid(), signum)
+
+
+def start_parent_watchdog(on_orphaned: Callable[[], None], interval: float = 1.0) -> None:
+    """Call ``on_orphaned`` once the parent process is gone (the backup to PDEATHSIG)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        on_orphaned()
+
+    threading.Thread(target=watch, name="sparktorch-parent-watchdog", daemon=True).start()
+
+
+class LineSplitter:
+    """Turns a byte stream into text lines.
+
+    Invalid UTF-8 is replaced, never fatal. A line redrawn with ``\\r`` (tqdm, Lightning) keeps
+    only its latest state, emitted at most every ``CARRIAGE_RETURN_INTERVAL_S`` and once more
+    when the line ends. Lines longer than ``MAX_LINE_BYTES`` come out in pieces.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._partial = bytearray()
+        self._clock = clock
+        self._last_redraw_emit = clock()
+
+    def feed(self, data: bytes) -> list[str]:
+        """Add bytes; return the lines they completed."""
+        lines: list[str] = []
+        self._partial += data
+        while True:
+            newline = self._partial.find(b"\n")
+            if newline < 0:
+                break
+            raw = bytes(self._partial[:newline])
+            del self._partial[: newline + 1]
+            lines.append(_decode(_latest_redraw(raw)))
+        if b"\r" in self._partial:
+            latest = _latest_redraw(bytes(self._partial))
+            self._partial = bytearray(latest)
+            now = self._clock()
+            if latest.strip() and now - self._last_redraw_emit >= CARRIAGE_RETURN_INTERVAL_S:
+                self._last_redraw_emit = now
+                lines.append(_decode(latest))
+        while len(self._partial) > MAX_LINE_BYTES:
+            lines.append(_decode(bytes(self._partial[:MAX_LINE_BYTES])))
+            del self._partial[:MAX_LINE_BYTES]
+        return lines
+
+    def finish(self) -> list[str]:
+        """The last unterminated line, if any."""
+        rest = _latest_redraw(bytes(self._partial))
+        self._partial.clear()
+        return [_decode(rest)] if rest else []
+
+
+def _latest_redraw(raw: bytes) -> bytes:
+    """The text after the last carriage return that is followed by something."""
+    stripped = raw.rstrip(b"\r")
+    cut = stripped.rfind(b"\r")
+    return stripped[cut + 1 :] if cut >= 0 else stripped
+
+
+def _decode(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace")
+
+
+def pump_lines(stream: IO[bytes], emit: Callable[[list[str]], None]) -> None:
+    """Read ``stream`` until EOF, handing each batch of complete lines to ``emit``."""
+    splitter = LineSplitter()
+    fd = stream.fileno()
+    while True:
+        try:
+            data = os.read(fd, 1 << 16)
+        except OSError:
+            break
+        if not data:
+            break
+        lines = splitter.feed(data)
+        if lines:
+            emit(lines)
+    tail = splitter.finish()
+    if tail:
+        emit(tail)
+
+
+def tree_of(pid: int) -> list[psutil.Process]:
+    """The process and all its descendants that are still alive (parents first)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def terminate_processes(processes: Iterable[psutil.Process], grace: float = 5.0) -> None:
+    """SIGTERM every process, wait up to ``grace`` seconds, then SIGKILL the survivors.
+
+    Safe to call twice and on processes that already exited.
+    """
+    alive = []
+    for proc in processes:
+        try:
+            proc.send_signal(signal.SIGTERM)
+            alive.append(proc)
+        except psutil.Error:
+            pass
+    _, survivors = psutil.wait_procs(alive, timeout=grace)
+    for proc in survivors:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(survivors, timeout=5)
+
+
+def terminate_tree(pid: int, grace: float = 5.0) -> None:
+    """Terminate a process and every descendant, found before the first signal is sent.
+
+    The tree is read first because torchrun starts its workers in their own sessions: a
+    process-group kill would miss them.
+    """
+    terminate_processes(tree_of(pid), grace)
+
+
+class AgentProcess:
+    """A node's torchrun agent: started in its own session, its output pumped to callbacks."""
+
+    def __init__(
+        self,
+        argv: Iterable[str],
+        env: dict[str, str],
+        cwd: str | None,
+        on_stdout: Callable[[list[str]], None],
+        on_stderr: Callable[[list[str]], None],
+    ) -> None:
+        # Own session: a terminal's Ctrl-C reaches the launcher, which tears down in order.
+        self.proc = subprocess.Popen(
+            list(argv),
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self._pumps = [
+            threading.Thread(target=pump_lines, args=(stream, emit), daemon=True)
+            for stream, emit in ((self.proc.stdout, on_stdout), (self.proc.stderr, on_stderr))
+        ]
+        for pump in self._pumps:
+            pump.start()
+
+    @property
+    def pid(self) -> int:
+        """The agent's pid."""
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        """The exit code once the agent exited, else None."""
+        return self.proc.poll()
+
+    def finish_output(self, timeout: float = 5.0) -> None:
+        """Wait for the output pumps to reach the end of the streams."""
+        for pump in self._pumps:
+            pump.join(timeout)
+
+    def terminate(self, grace: float = 5.0) -> None:
+        """Terminate the agent and everything under it. Idempotent."""
+        terminate_tree(self.proc.pid, grace)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self.finish_output()
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def marked_processes(marker_env: str, value: str) -> list[psutil.Process]:
+    """Processes of this user whose environment has ``marker_env=value`` (ours excluded)."""
+    found = []
+    me = os.getpid()
+    for proc in psutil.process_iter():
+        if proc.pid == me:
+            continue
+        try:
+            if proc.environ().get(marker_env) == value:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found

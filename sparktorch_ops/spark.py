@@ -1,0 +1,225 @@
+"""Spark: the session, preflight checks before a barrier launch, job tags, UI URL.
+
+pyspark is imported only here, and only when a session is used.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from sparktorch_ops.errors import ConfigError, StartTimeoutError
+from sparktorch_ops.planning import check_slots
+
+if TYPE_CHECKING:
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+_PYTHON_SETTING = "PYSPARK_PYTHON (or spark.pyspark.python)"
+
+
+def is_connect_session(spark: Any) -> bool:
+    """Whether ``spark`` is a Spark Connect session (no SparkContext behind it)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def refuse_connect(spark: Any) -> None:
+    """Raise ConfigError for a Spark Connect session."""
+    if is_connect_session(spark):
+        raise ConfigError(
+            "spark",
+            "Spark Connect sessions are not supported yet: barrier tasks need a classic "
+            "SparkSession with a SparkContext (start one with SparkSession.builder.master(...))",
+        )
+
+
+def active_session() -> SparkSession | None:
+    """The active (or default) classic session, without starting one or importing pyspark."""
+    if "pyspark" not in sys.modules:
+        return None
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    if SparkContext._active_spark_context is None:
+        return None
+    return SparkSession.getActiveSession() or SparkSession._instantiatedSession
+
+
+def session_for_barrier(spark: Any) -> SparkSession:
+    """The given session, else the active one, else a new one from the environment's config."""
+    if spark is not None:
+        refuse_connect(spark)
+        return spark  # type: ignore[no-any-return]
+    session = active_session()
+    if session is not None:
+        return session
+    from pyspark.sql import SparkSession
+
+    return SparkSession.builder.getOrCreate()
+
+
+def conf_value(sc: SparkContext, key: str) -> str | None:
+    """A Spark conf value, or None."""
+    value = sc.getConf().get(key)
+    return None if value is None else str(value)
+
+
+def conf_true(sc: SparkContext, key: str) -> bool:
+    """Whether a boolean Spark conf is on."""
+    return (conf_value(sc, key) or "false").strip().lower() == "true"
+
+
+def driver_gpus(spark: Any) -> list[str] | None:
+    """The driver's GPU addresses from ``spark.driver.resource.gpu``, if the session has any."""
+    if spark is None:
+        return None
+    gpu = spark.sparkContext.resources.get("gpu")
+    return None if gpu is None else list(gpu.addresses)
+
+
+def task_gpu_amount(sc: SparkContext) -> float | None:
+    """``spark.task.resource.gpu.amount`` as a number, or None when unset."""
+    value = conf_value(sc, "spark.task.resource.gpu.amount")
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(
+            "spark.task.resource.gpu.amount", f"is not a number: {value!r}"
+        ) from None
+
+
+def task_cpus(sc: SparkContext) -> int:
+    """``spark.task.cpus`` (default 1)."""
+    return int(conf_value(sc, "spark.task.cpus") or "1")
+
+
+def check_barrier_conf(sc: SparkContext, *, allow_unencrypted_channel: bool) -> None:
+    """Settings that barrier mode cannot run with.
+
+    Raises:
+        ConfigError: dynamic allocation on; Spark encryption on without the explicit opt-out.
+    """
+    if conf_true(sc, "spark.dynamicAllocation.enabled"):
+        raise ConfigError(
+            "local_mode",
+            "barrier mode (local_mode=False) cannot run with spark.dynamicAllocation.enabled="
+            "true (Spark forbids barrier stages then); disable dynamic allocation for this "
+            "application or use local_mode=True",
+        )
+    encrypted = [k for k in ("spark.ssl.enabled", "spark.network.crypto.enabled") if conf_true(sc, k)]
+    if encrypted and not allow_unencrypted_channel:
+        raise ConfigError(
+            "allow_unencrypted_channel",
+            f"{', '.join(encrypted)} is on but the rank -> driver channel is not encrypted "
+            "(it is authenticated by a per-run token); pass allow_unencrypted_channel=True "
+            "to accept that",
+        )
+
+
+def available_slots(sc: SparkContext) -> int:
+    """How many tasks of the default resource profile the cluster can run at once, now."""
+    jsc = sc._jsc.sc()  # type: ignore[union-attr]
+    profile = jsc.resourceProfileManager().defaultResourceProfile()
+    return int(jsc.maxNumConcurrentTasks(profile))
+
+
+def wait_for_slots(
+    sc: SparkContext,
+    required_tasks: int,
+    start_timeout: float | None,
+    cancelled: Callable[[], bool],
+) -> None:
+    """Check the slots now, or poll until ``start_timeout`` for executors to register.
+
+    Raises:
+        ResourceError: too few slots and no start_timeout.
+        StartTimeoutError: still too few when start_timeout ran out.
+    """
+    slots = available_slots(sc)
+    if start_timeout is None:
+        check_slots(required_tasks, slots, waited=False)
+        return
+    deadline = time.monotonic() + start_timeout
+    while slots < required_tasks:
+        if cancelled():
+            return
+        if time.monotonic() >= deadline:
+            raise StartTimeoutError(
+                "start_timeout",
+                start_timeout,
+                f"the run needs {required_tasks} barrier task slots but only {slots} "
+                "registered",
+            )
+        time.sleep(0.5)
+        slots = available_slots(sc)
+
+
+def probe_executors(sc: SparkContext, num_tasks: int) -> list[dict[str, Any]]:
+    """Run a small non-barrier job that checks the executors' Python and imports.
+
+    Raises:
+        ConfigError: naming PYSPARK_PYTHON, for another Python version or missing packages.
+    """
+    from pyspark import cloudpickle as spark_cloudpickle
+
+    from sparktorch_ops import _probe
+
+    driver_python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    spark_cloudpickle.register_pickle_by_value(_probe)
+    try:
+        rdd = sc.parallelize(range(num_tasks), num_tasks).mapPartitions(_probe.probe_executor)
+        sc.setLocalProperty("spark.job.description", "sparktorch_ops: executor check")
+        try:
+            found: list[dict[str, Any]] = rdd.collect()
+        finally:
+            sc.setLocalProperty("spark.job.description", None)  # type: ignore[arg-type]
+    except Exception as exc:
+        text = str(exc)
+        if "PYTHON_VERSION_MISMATCH" in text or "different version" in text:
+            raise ConfigError(
+                _PYTHON_SETTING,
+                f"the executors run another Python version than the driver ({driver_python}); "
+                f"set {_PYTHON_SETTING} to a Python {driver_python} interpreter that has torch "
+                "and sparktorch_ops",
+            ) from None
+        raise
+    finally:
+        spark_cloudpickle.unregister_pickle_by_value(_probe)
+    for executor in found:
+        if executor["python"] != driver_python:
+            raise ConfigError(
+                _PYTHON_SETTING,
+                f"executor {executor['host']} runs Python {executor['python']} "
+                f"({executor['executable']}) but the driver runs {driver_python}; set "
+                f"{_PYTHON_SETTING} to a Python {driver_python} interpreter",
+            )
+        if executor["missing"]:
+            missing = "; ".join(f"{k} ({v})" for k, v in executor["missing"].items())
+            raise ConfigError(
+                _PYTHON_SETTING,
+                f"the executors' Python {executor['executable']} on {executor['host']} cannot "
+                f"import: {missing}. Install sparktorch-ops (with torch) there, or set "
+                f"{_PYTHON_SETTING} to an interpreter that has them",
+            )
+    return found
+
+
+def ui_url(sc: SparkContext) -> str | None:
+    """The History Server page of this application when one is configured, else the live UI."""
+    history = conf_value(sc, "spark.yarn.historyServer.address") or conf_value(
+        sc, "spark.sparktorch.historyServer.url"
+    )
+    if history:
+        base = history if "://" in history else f"http://{history}"
+        return f"{base.rstrip('/')}/history/{sc.applicationId}/jobs/"
+    url: str | None = sc.uiWebUrl
+    return url
+
+
+def driver_host(sc: SparkContext) -> str:
+    """The address executors reach the driver at (``spark.driver.host``)."""
+    return conf_value(sc, "spark.driver.host") or "127.0.0.1"

@@ -1,0 +1,210 @@
+"""The launch spec: every launch option, validated once, frozen.
+
+Validation errors are :class:`~sparktorch_ops.errors.ConfigError` naming the offending argument.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparktorch_ops.errors import ConfigError
+
+# Environment variables torchrun sets per rank; a user value would silently break the rendezvous.
+RESERVED_ENV = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "TORCHELASTIC_RUN_ID",
+    }
+)
+
+# torchrun options that the distributor owns: the layout, the rendezvous and the entry point.
+OWNED_TORCHRUN_OPTIONS = (
+    "--nnodes",
+    "--nproc-per-node",
+    "--nproc_per_node",
+    "--node-rank",
+    "--node_rank",
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "--rdzv-id",
+    "--rdzv_id",
+    "--rdzv-conf",
+    "--rdzv_conf",
+    "--standalone",
+    "--master-addr",
+    "--master_addr",
+    "--master-port",
+    "--master_port",
+    "--max-restarts",
+    "--max_restarts",
+    "--local-addr",
+    "--local_addr",
+    "--no-python",
+    "--no_python",
+    "--run-path",
+    "--run_path",
+    "--module",
+    "-m",
+)
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def to_seconds(argument: str, value: float | datetime.timedelta | None) -> float | None:
+    """Normalise a timeout given as seconds or a timedelta; ``None`` means no limit."""
+    if value is None:
+        return None
+    if isinstance(value, datetime.timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise ConfigError(
+            argument, f"must be seconds (a number) or a datetime.timedelta, got {value!r}"
+        )
+    if not seconds > 0:
+        raise ConfigError(argument, f"must be positive, got {value!r}")
+    return seconds
+
+
+def _require_bool(argument: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(argument, f"must be True or False, got {value!r}")
+    return value
+
+
+def _require_int(argument: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(argument, f"must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ConfigError(argument, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise ConfigError("env", f"must be a mapping of str to str, got {type(env).__name__}")
+    checked: dict[str, str] = {}
+    for key, value in env.items():
+        if not isinstance(key, str) or not _ENV_NAME.match(key):
+            raise ConfigError("env", f"{key!r} is not a valid environment variable name")
+        if key in RESERVED_ENV:
+            raise ConfigError(
+                "env", f"{key} is set by torchrun for each rank and cannot be overridden"
+            )
+        if not isinstance(value, str):
+            raise ConfigError("env", f"the value of {key} must be a str, got {value!r}")
+        checked[key] = value
+    return checked
+
+
+def _check_torchrun_args(args: Iterable[str] | None) -> tuple[str, ...]:
+    if args is None:
+        return ()
+    if isinstance(args, str):
+        raise ConfigError("torchrun_args", "must be a list of arguments, not one string")
+    checked = tuple(args)
+    for arg in checked:
+        if not isinstance(arg, str):
+            raise ConfigError("torchrun_args", f"every argument must be a str, got {arg!r}")
+        name = arg.split("=", 1)[0]
+        if name in OWNED_TORCHRUN_OPTIONS:
+            hint = " (use max_restarts=)" if "restarts" in name else ""
+            raise ConfigError(
+                "torchrun_args",
+                f"{name} is set by the distributor from num_processes, local_mode and the "
+                f"cluster; remove it{hint}",
+            )
+    return checked
+
+
+def _check_log_ranks(log_ranks: Iterable[int] | None) -> frozenset[int] | None:
+    if log_ranks is None:
+        return None
+    try:
+        ranks = frozenset(log_ranks)
+    except TypeError:
+        raise ConfigError("log_ranks", f"must be a collection of ranks, got {log_ranks!r}") from None
+    for rank in ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ConfigError("log_ranks", f"ranks must be ints >= 0, got {rank!r}")
+    return ranks
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Every option of a launch, validated at construction.
+
+    Attributes:
+        num_processes: total number of ranks.
+        local_mode: run the ranks on the driver (True) or in Spark barrier tasks (False).
+        use_gpu: give each rank a GPU.
+        env: extra environment variables for every rank.
+        max_restarts: torchrun's restarts of the worker group within one run.
+        torchrun_args: extra torchrun options (not those the distributor sets).
+        start_timeout: seconds to wait for slots, executors and the rendezvous.
+        timeout: seconds the whole run may take.
+        log_ranks: ranks whose output is forwarded to the logger (None: all).
+        logger: where rank output, metrics and progress go.
+        on_metrics: called with each :class:`MetricRecord` as it arrives.
+        allow_unencrypted_channel: run even though Spark's encryption is on (like pyspark's
+            ``ignoreSsl``); the channel itself is authenticated by a token but not encrypted.
+    """
+
+    num_processes: int = 1
+    local_mode: bool = True
+    use_gpu: bool = True
+    env: Mapping[str, str] = field(default_factory=dict)
+    max_restarts: int = 0
+    torchrun_args: tuple[str, ...] = ()
+    start_timeout: float | None = None
+    timeout: float | None = None
+    log_ranks: frozenset[int] | None = None
+    logger: logging.Logger | logging.LoggerAdapter[Any] | None = None
+    on_metrics: Callable[[Any], None] | None = None
+    allow_unencrypted_channel: bool = False
+
+    def __post_init__(self) -> None:
+        _require_int("num_processes", self.num_processes, 1)
+        _require_bool("local_mode", self.local_mode)
+        _require_bool("use_gpu", self.use_gpu)
+        _require_int("max_restarts", self.max_restarts, 0)
+        _require_bool("allow_unencrypted_channel", self.allow_unencrypted_channel)
+        object.__setattr__(self, "env", _check_env(self.env))
+        object.__setattr__(self, "torchrun_args", _check_torchrun_args(self.torchrun_args))
+        object.__setattr__(self, "start_timeout", to_seconds("start_timeout", self.start_timeout))
+        object.__setattr__(self, "timeout", to_seconds("timeout", self.timeout))
+        object.__setattr__(self, "log_ranks", _check_log_ranks(self.log_ranks))
+        if self.on_metrics is not None and not callable(self.on_metrics):
+            raise ConfigError("on_metrics", f"must be callable, got {self.on_metrics!r}")
+        if self.logger is not None and not isinstance(
+            self.logger, (logging.Logger, logging.LoggerAdapter)
+        ):
+            raise ConfigError(
+                "logger", f"must be a logging.Logger or LoggerAdapter, got {self.logger!r}"
+            )
+
+    @property
+    def mode(self) -> str:
+        """``"local"`` or ``"barrier"``."""
+        return "local" if self.local_mode else "barrier"

@@ -1,0 +1,47 @@
+"""Shared fixtures: one local[2] SparkSession per test session, a Spark standalone cluster,
+and a check that a run left no process behind."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import cluster as cluster_support
+
+ROOT = Path(__file__).resolve().parents[1]
+
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[object]:
+    """A local[2] SparkSession on loopback, shared by the whole test session."""
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("sparktorch-ops-tests")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.ui.enabled", "true")
+        .config("spark.ui.port", "0")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="session")
+def standalone_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster_support.Cluster]:
+    """A Spark standalone master and 2 workers (1 core each) on 127.0.0.1, free ports."""
+    with cluster_support.start_cluster(tmp_path_factory.mktemp("spark-cluster"), workers=2) as c:
+        yield c

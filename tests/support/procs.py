@@ -1,0 +1,32 @@
+"""Finding the processes of a run by the marker every one of them carries."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+
+from sparktorch_ops.planning import RUN_ID_ENV
+
+
+def processes_with_marker(run_id: str | None = None) -> list[psutil.Process]:
+    """Live processes whose environment carries the run marker (any run when run_id is None)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            value = proc.environ().get(RUN_ID_ENV)
+            if value is not None and (run_id is None or value == run_id) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def wait_until_gone(run_id: str | None = None, timeout: float = 30.0) -> list[psutil.Process]:
+    """Wait until no process of the run is left; return what is still there at the deadline."""
+    deadline = time.monotonic() + timeout
+    left = processes_with_marker(run_id)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = processes_with_marker(run_id)
+    return left
