@@ -36,6 +36,7 @@ class _RankState:
     exited: bool = False
     reason: str = ""
     failed_at: float | None = None
+    lost: bool = False
 
 
 class RunCollector(channel.ChannelHandler):
@@ -141,6 +142,7 @@ class RunCollector(channel.ChannelHandler):
             rank = int(hello["rank"])
             state = self.ranks.get(rank)
             if state is not None and not state.exited:
+                state.lost = True
                 self._fail(rank, "the rank's process vanished (killed, or its host was lost)")
         elif hello.get("role") == "node":
             node = int(hello.get("node", 0))
@@ -269,6 +271,15 @@ class RunCollector(channel.ChannelHandler):
                 )
             )
         return failures
+
+    def failed_ranks_reported(self) -> bool:
+        """Every failed rank has reported how it exited (or is known to be lost)."""
+        with self._lock:
+            return all(
+                self.ranks[rank].exited or self.ranks[rank].lost
+                for rank in self.failure_order
+                if rank >= 0
+            )
 
     def started_ranks(self) -> int:
         """How many ranks have connected so far."""

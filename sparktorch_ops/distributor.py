@@ -36,6 +36,7 @@ from sparktorch_ops.spec import LaunchSpec
 _POLL_S = 0.05
 _DRAIN_S = 10.0
 _COLLATERAL_S = 3.0
+_EXIT_REPORT_S = 2.0
 _default_logger = logging.getLogger("sparktorch_ops")
 
 
@@ -92,9 +93,9 @@ class TorchDistributor:
             num_processes=num_processes,
             local_mode=local_mode,
             use_gpu=use_gpu,
-            env=dict(env) if env is not None else {},
+            env=env,  # type: ignore[arg-type]
             max_restarts=max_restarts,
-            torchrun_args=tuple(torchrun_args) if torchrun_args is not None else (),
+            torchrun_args=torchrun_args,  # type: ignore[arg-type]
             start_timeout=start_timeout,  # type: ignore[arg-type]
             timeout=timeout,  # type: ignore[arg-type]
             log_ranks=log_ranks,  # type: ignore[arg-type]
@@ -166,15 +167,16 @@ class TorchDistributor:
     def _resolve_resources(self) -> tuple[Any, list[str] | None]:
         spec = self.spec
         if spec.local_mode:
+            if not spec.use_gpu:
+                return None, None
+            # Only the session's driver GPUs matter here; no session is started for them.
             session = self.spark if self.spark is not None else spark_support.active_session()
-            gpus = None
-            if spec.use_gpu:
-                gpus = select_local_gpus(
-                    spec.num_processes,
-                    spark_driver_gpus=spark_support.driver_gpus(session),
-                    cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                    device_count=_machine_gpu_count(),
-                )
+            gpus = select_local_gpus(
+                spec.num_processes,
+                spark_driver_gpus=spark_support.driver_gpus(session),
+                cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                device_count=_machine_gpu_count(),
+            )
             return None, gpus
         return spark_support.session_for_barrier(self.spark), None
 
@@ -334,6 +336,11 @@ class _Run:
                     f"only {collector.started_ranks()} of {spec.num_processes} ranks started",
                 )
             if collector.fatal:
+                # The failed rank reports its exit a moment after its failure: wait for that
+                # (briefly) so the error has the exit code before the others are torn down.
+                deadline = time.monotonic() + _EXIT_REPORT_S
+                while not collector.failed_ranks_reported() and time.monotonic() < deadline:
+                    time.sleep(_POLL_S / 5)
                 return 1, ""
             status = launcher.poll()
             if status is not None:

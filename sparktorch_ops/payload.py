@@ -9,12 +9,14 @@ Scripts travel as their bytes, so they need not exist on the executors.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import pickle
 import sys
 import sysconfig
 import threading
 import types
+from collections import ChainMap
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +94,9 @@ def pickle_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
                     registered.append(module)
                 except ValueError:  # already registered by the caller
                     pass
-            return cloudpickle.dumps((fn, args, kwargs))
+            buffer = io.BytesIO()
+            _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump((fn, args, kwargs))
+            return buffer.getvalue()
         except Exception as exc:
             raise ConfigError(
                 "train_object",
@@ -102,6 +106,19 @@ def pickle_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
         finally:
             for module in registered:
                 cloudpickle.unregister_pickle_by_value(module)
+
+
+def _code_reduce_keeping_filename(code: types.CodeType) -> Any:
+    # cloudpickle blanks co_filename; keep it so a rank's traceback names the real file (and
+    # shows its lines wherever that file exists).
+    constructor, args = cloudpickle.cloudpickle._code_reduce(code)
+    return constructor, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+
+class _Pickler(cloudpickle.Pickler):
+    dispatch_table = ChainMap(
+        {types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table
+    )
 
 
 def _installed_prefixes() -> tuple[str, ...]:

@@ -37,7 +37,7 @@ def refuse_connect(spark: Any) -> None:
 
 def active_session() -> SparkSession | None:
     """The active (or default) classic session, without starting one or importing pyspark."""
-    if "pyspark" not in sys.modules:
+    if sys.modules.get("pyspark") is None:
         return None
     from pyspark import SparkContext
     from pyspark.sql import SparkSession

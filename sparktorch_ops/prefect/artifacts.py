@@ -1,0 +1,297 @@
+"""The Prefect artifacts of a training run: live progress, a metrics table, a summary, a link.
+
+Keys are derived from the task's name (``train-digits-progress``, ``...-metrics``,
+``...-summary``, ``...-spark-ui``) or from ``artifact_key``; Prefect accepts lowercase letters,
+numbers and dashes only, so a bad key fails before anything starts.
+
+Progress comes from rank 0's ``report(progress=...)``. The core calls ``on_metrics`` on its
+channel thread; that thread only records the value, and a publisher thread (with a copy of the
+task's context, which Prefect's artifact functions need) sends it at most once per interval, so
+a slow API never holds up the ranks' log lines.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import re
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+from prefect.artifacts import (
+    create_link_artifact,
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+
+from sparktorch_ops.errors import ConfigError, TrainingFailedError
+from sparktorch_ops.results import MetricRecord
+
+Logger = logging.Logger | logging.LoggerAdapter[Any]
+
+KEY_PATTERN = re.compile(r"^[a-z0-9-]+$")
+SUFFIXES = ("progress", "metrics", "summary", "spark-ui")
+MAX_TABLE_ROWS = 1000
+_ERROR_LINES = 40
+
+
+def check_artifact_key(artifact_key: object) -> str:
+    """Validate a user-given key prefix.
+
+    Raises:
+        ConfigError: naming ``artifact_key``, unless it is lowercase letters, digits, dashes.
+    """
+    if not isinstance(artifact_key, str) or not KEY_PATTERN.match(artifact_key):
+        raise ConfigError(
+            "artifact_key",
+            f"{artifact_key!r} is not a valid Prefect artifact key: use lowercase letters, "
+            "numbers and dashes only (e.g. 'train-digits')",
+        )
+    return artifact_key
+
+
+def key_from_name(name: str) -> str:
+    """A valid key prefix from a task name: ``"Train Digits_v2"`` -> ``"train-digits-v2"``."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return slug or "torch-distributor"
+
+
+def artifact_keys(prefix: str) -> dict[str, str]:
+    """The key of each artifact: ``{"progress": "<prefix>-progress", ...}``."""
+    return {suffix: f"{prefix}-{suffix}" for suffix in SUFFIXES}
+
+
+def metrics_table(records: Sequence[MetricRecord], max_rows: int = MAX_TABLE_ROWS) -> list[dict[str, Any]]:
+    """One row per reported step and rank: step, rank, progress and every reported value.
+
+    Every row has the same columns (missing values are None) so the table renders evenly; only
+    the last ``max_rows`` records are kept.
+    """
+    kept = list(records)[-max_rows:]
+    names: list[str] = []
+    for record in kept:
+        for name in record.values:
+            if name not in names and name not in ("step", "rank", "progress"):
+                names.append(name)
+    rows = []
+    for record in sorted(kept, key=lambda r: (r.step, r.rank)):
+        row: dict[str, Any] = {"step": record.step, "rank": record.rank, "progress": record.progress}
+        row.update({name: record.values.get(name) for name in names})
+        rows.append(row)
+    return rows
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        value = f"{value:.6g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _duration(seconds: float) -> str:
+    minutes, rest = divmod(seconds, 60)
+    if minutes >= 60:
+        return f"{int(minutes // 60)} h {int(minutes % 60)} min {rest:.0f} s"
+    return f"{int(minutes)} min {rest:.1f} s" if minutes else f"{rest:.1f} s"
+
+
+@dataclass
+class RunSummary:
+    """What the summary artifact says about one run.
+
+    Attributes:
+        title: heading (the task run's name).
+        status: ``completed``, ``failed``, ``timed out`` or ``cancelled``.
+        num_processes: ranks.
+        mode: ``local`` or ``barrier``.
+        use_gpu: whether ranks had GPUs.
+        duration_s: wall time of the launch.
+        final_metrics: rank 0's latest value of each metric.
+        result: where rank 0's value went (one line).
+        run_id: the core's run id (the marker of every process of the run).
+        app_id: the Spark application, in barrier mode.
+        ui_url: the Spark UI link, if any.
+        error: the error's message, for a run that did not complete.
+    """
+
+    title: str
+    status: str
+    num_processes: int
+    mode: str
+    use_gpu: bool
+    duration_s: float
+    final_metrics: Mapping[str, Any] = field(default_factory=dict)
+    result: str = ""
+    run_id: str = ""
+    app_id: str | None = None
+    ui_url: str | None = None
+    error: str | None = None
+
+    def markdown(self) -> str:
+        """The summary as markdown."""
+        where = "ranks on the driver" if self.mode == "local" else "one rank per Spark barrier task"
+        rows = [
+            ("Status", self.status),
+            ("Processes", str(self.num_processes)),
+            ("Mode", f"{self.mode} ({where})"),
+            ("GPUs", "one per rank" if self.use_gpu else "none (CPU)"),
+            ("Duration", _duration(self.duration_s)),
+        ]
+        if self.result:
+            rows.append(("Result", self.result))
+        if self.app_id:
+            rows.append(("Spark application", f"`{self.app_id}`"))
+        if self.ui_url:
+            rows.append(("Spark UI", f"[{self.ui_url}]({self.ui_url})"))
+        if self.run_id:
+            rows.append(("Run id", f"`{self.run_id}`"))
+        lines = [f"### {self.title}: {self.status}", "", "| | |", "|---|---|"]
+        lines += [f"| {name} | {_cell(value)} |" for name, value in rows]
+        if self.final_metrics:
+            lines += ["", "**Final metrics (rank 0)**", "", "| metric | value |", "|---|---|"]
+            lines += [f"| {_cell(k)} | {_cell(v)} |" for k, v in self.final_metrics.items()]
+        if self.error:
+            tail = self.error.rstrip().splitlines()[-_ERROR_LINES:]
+            lines += ["", "**Error**", "", "```text", *tail, "```"]
+        return "\n".join(lines) + "\n"
+
+
+def describe_error(exc: BaseException) -> tuple[str, str]:
+    """``(status, message)`` for the summary of a run that raised ``exc``."""
+    if isinstance(exc, TrainingFailedError):
+        return "failed", str(exc)
+    if isinstance(exc, TimeoutError):
+        return "timed out", f"{type(exc).__name__}: {exc}"
+    if not isinstance(exc, Exception):
+        return "cancelled", f"{type(exc).__name__}: {exc}"
+    return "failed", f"{type(exc).__name__}: {exc}"
+
+
+class RunArtifacts:
+    """Creates and updates one run's artifacts; never fails the run because of an artifact.
+
+    Args:
+        prefix: the key prefix (already validated).
+        logger: where artifact problems are reported (as warnings).
+        description: the progress artifact's description.
+        interval: least seconds between two progress updates.
+    """
+
+    def __init__(self, prefix: str, logger: Logger, description: str, interval: float = 1.0) -> None:
+        self.keys = artifact_keys(prefix)
+        self._log = logger
+        self._description = description
+        self._interval = interval
+        self._lock = threading.Lock()
+        self.records: list[MetricRecord] = []
+        self._latest: float | None = None
+        self._sent: float | None = None
+        self._progress_id: UUID | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._warned = False
+
+    def start(self) -> None:
+        """Create the progress artifact at 0 and start the publisher thread."""
+        self._progress_id = self._safely(
+            "progress",
+            lambda: create_progress_artifact(
+                progress=0.0, key=self.keys["progress"], description=self._description
+            ),
+        )
+        self._sent = 0.0
+        if self._progress_id is not None:
+            context = contextvars.copy_context()
+            self._thread = threading.Thread(
+                target=context.run, args=(self._publish_loop,), name="prefect-progress", daemon=True
+            )
+            self._thread.start()
+
+    def on_metrics(self, record: MetricRecord) -> None:
+        """The core's ``on_metrics`` callback: keep the record, note rank 0's progress."""
+        with self._lock:
+            self.records.append(record)
+            if len(self.records) > 2 * MAX_TABLE_ROWS:
+                del self.records[: len(self.records) - MAX_TABLE_ROWS]
+            if record.rank == 0 and record.progress is not None:
+                self._latest = record.progress
+
+    def _publish_loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._push()
+
+    def _push(self, value: float | None = None) -> None:
+        with self._lock:
+            target = self._latest if value is None else value
+        if target is None or self._progress_id is None:
+            return
+        percent = round(max(0.0, min(1.0, target)) * 100.0, 2)
+        if percent == self._sent:
+            return
+        artifact_id = self._progress_id
+        self._safely(
+            "progress", lambda: update_progress_artifact(artifact_id=artifact_id, progress=percent)
+        )
+        self._sent = percent
+
+    def finish(
+        self,
+        summary: RunSummary,
+        *,
+        completed: bool,
+        ui_url: str | None = None,
+        ui_description: str = "",
+    ) -> None:
+        """Final progress (100 when completed), the metrics table, the summary and the link."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._push(1.0 if completed else None)
+        rows = metrics_table(self.records)
+        if rows:
+            self._safely(
+                "metrics",
+                lambda: create_table_artifact(
+                    table=rows,
+                    key=self.keys["metrics"],
+                    description=f"Metrics reported by the ranks of {summary.title}, per step "
+                    f"(last {MAX_TABLE_ROWS} records)",
+                ),
+            )
+        self._safely(
+            "summary",
+            lambda: create_markdown_artifact(
+                markdown=summary.markdown(),
+                key=self.keys["summary"],
+                description=f"Summary of {summary.title}",
+            ),
+        )
+        if ui_url:
+            self._safely(
+                "spark-ui",
+                lambda: create_link_artifact(
+                    link=ui_url,
+                    link_text=f"Spark UI of {summary.app_id or 'the run'}",
+                    key=self.keys["spark-ui"],
+                    description=ui_description,
+                ),
+            )
+
+    def _safely(self, what: str, call: Any) -> Any:
+        try:
+            return call()
+        except Exception as exc:
+            if not self._warned:
+                self._log.warning(
+                    "could not write the %s artifact (%s: %s); training is not affected",
+                    what,
+                    type(exc).__name__,
+                    exc,
+                )
+                self._warned = True
+            return None

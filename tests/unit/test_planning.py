@@ -1,0 +1,148 @@
+"""Pure planning: exact argv, env, GPU selection and layout."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparktorch_ops import planning
+from sparktorch_ops.errors import ConfigError, ResourceError
+
+
+def test_local_agent_argv_is_exact() -> None:
+    argv = planning.agent_argv(
+        python="/py",
+        run_id="run1",
+        nnodes=1,
+        nproc_per_node=4,
+        rdzv_endpoint="127.0.0.1:0",
+        local_addr="127.0.0.1",
+        max_restarts=0,
+        is_rdzv_host=None,
+        join_timeout=None,
+        extra_args=("--monitor-interval=0.5",),
+    )
+    assert argv == (
+        "/py", "-m", "sparktorch_ops.agent", "run1",
+        "--nnodes=1", "--nproc-per-node=4", "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:0", "--rdzv-id=run1", "--max-restarts=0",
+        "--local-addr=127.0.0.1", "--monitor-interval=0.5",
+        "-m", "sparktorch_ops.bootstrap", "run1",
+    )  # fmt: skip
+
+
+def test_barrier_agent_argv_never_hosts_the_store_and_bounds_the_join() -> None:
+    argv = planning.agent_argv(
+        python="/py",
+        run_id="r",
+        nnodes=3,
+        nproc_per_node=2,
+        rdzv_endpoint="10.0.0.5:41234",
+        local_addr="10.0.0.7",
+        max_restarts=2,
+        is_rdzv_host=False,
+        join_timeout=45.5,
+        extra_args=(),
+    )
+    assert argv == (
+        "/py", "-m", "sparktorch_ops.agent", "r",
+        "--nnodes=3", "--nproc-per-node=2", "--rdzv-backend=c10d",
+        "--rdzv-endpoint=10.0.0.5:41234", "--rdzv-id=r", "--max-restarts=2",
+        "--local-addr=10.0.0.7", "--rdzv-conf=is_host=false,join_timeout=45",
+        "-m", "sparktorch_ops.bootstrap", "r",
+    )  # fmt: skip
+
+
+def test_agent_env_layers_user_env_and_run_settings() -> None:
+    env = planning.agent_env(
+        {"PATH": "/bin", "OMP_NUM_THREADS": "9", "KEEP": "1"},
+        {"MY_VAR": "x"},
+        run_id="r",
+        channel="127.0.0.1:5",
+        token="t",
+        payload_path="/tmp/p",
+        host="h",
+        omp_threads=4,
+        cuda_visible_devices="2,3",
+    )
+    assert env == {
+        "PATH": "/bin",
+        "KEEP": "1",
+        "MY_VAR": "x",
+        "OMP_NUM_THREADS": "4",
+        "CUDA_VISIBLE_DEVICES": "2,3",
+        planning.RUN_ID_ENV: "r",
+        planning.CHANNEL_ENV: "127.0.0.1:5",
+        planning.TOKEN_ENV: "t",
+        planning.PAYLOAD_ENV: "/tmp/p",
+        planning.NODE_HOST_ENV: "h",
+    }
+
+
+def test_user_omp_setting_wins() -> None:
+    env = planning.agent_env(
+        {},
+        {"OMP_NUM_THREADS": "3"},
+        run_id="r",
+        channel="c",
+        token="t",
+        payload_path="p",
+        host="h",
+        omp_threads=8,
+        cuda_visible_devices=None,
+    )
+    assert env["OMP_NUM_THREADS"] == "3"
+    assert "CUDA_VISIBLE_DEVICES" not in env
+
+
+@pytest.mark.parametrize(
+    ("task_cpus", "ranks", "expected"), [(1, 1, 1), (4, 1, 4), (8, 2, 4), (1, 4, 1)]
+)
+def test_barrier_omp_threads(task_cpus: int, ranks: int, expected: int) -> None:
+    assert planning.barrier_omp_threads(task_cpus, ranks) == expected
+
+
+def test_local_omp_threads_share_the_cores() -> None:
+    assert planning.local_omp_threads(8, 2) == 4
+    assert planning.local_omp_threads(2, 4) == 1
+    assert planning.local_omp_threads(None, 2) == 1
+
+
+def test_barrier_layout() -> None:
+    assert planning.barrier_layout(4, False, None) == planning.BarrierLayout(4, 1)
+    assert planning.barrier_layout(4, True, 2.0) == planning.BarrierLayout(2, 2)
+    assert planning.barrier_layout(3, True, 1.0) == planning.BarrierLayout(3, 1)
+
+
+def test_barrier_layout_rejects_missing_fractional_and_uneven_gpu_amounts() -> None:
+    with pytest.raises(ResourceError, match="use_gpu=False"):
+        planning.barrier_layout(2, True, None)
+    with pytest.raises(ResourceError, match="fractional"):
+        planning.barrier_layout(2, True, 0.5)
+    with pytest.raises(ConfigError, match="not a multiple") as info:
+        planning.barrier_layout(3, True, 2.0)
+    assert info.value.argument == "num_processes"
+
+
+def test_local_gpus_prefer_spark_then_cuda_visible_devices_then_machine() -> None:
+    select = planning.select_local_gpus
+    assert select(2, spark_driver_gpus=["5", "6", "7"], cuda_visible_devices="0,1", device_count=8) == ["5", "6"]
+    assert select(2, spark_driver_gpus=None, cuda_visible_devices="3, 1,2", device_count=8) == ["3", "1"]
+    assert select(3, spark_driver_gpus=None, cuda_visible_devices=None, device_count=4) == ["0", "1", "2"]
+    assert select(1, spark_driver_gpus=None, cuda_visible_devices="", device_count=1) == ["0"]
+
+
+def test_local_gpus_errors_say_what_to_do() -> None:
+    with pytest.raises(ResourceError, match="use_gpu=False") as info:
+        planning.select_local_gpus(1, spark_driver_gpus=None, cuda_visible_devices=None, device_count=0)
+    assert info.value.argument == "use_gpu"
+    with pytest.raises(ResourceError, match="need 3 GPUs but CUDA_VISIBLE_DEVICES has 2") as info:
+        planning.select_local_gpus(3, spark_driver_gpus=None, cuda_visible_devices="0,1", device_count=8)
+    assert info.value.argument == "num_processes"
+
+
+def test_slot_check() -> None:
+    planning.check_slots(2, 2, waited=False)
+    with pytest.raises(ResourceError, match="needs 6 barrier task slots at once but the cluster has 2") as info:
+        planning.check_slots(6, 2, waited=False)
+    assert "start_timeout" in str(info.value)
+    assert info.value.argument == "num_processes"

@@ -1,0 +1,68 @@
+"""Validation of the launch options: typed errors that name the argument."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import pickle
+
+import pytest
+
+from sparktorch_ops import ConfigError, TorchDistributor
+from sparktorch_ops.spec import LaunchSpec
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"num_processes": 0}, "num_processes"),
+        ({"num_processes": -2}, "num_processes"),
+        ({"num_processes": 2.0}, "num_processes"),
+        ({"num_processes": "2"}, "num_processes"),
+        ({"num_processes": True}, "num_processes"),
+        ({"local_mode": "yes"}, "local_mode"),
+        ({"use_gpu": 1}, "use_gpu"),
+        ({"max_restarts": -1}, "max_restarts"),
+        ({"timeout": 0}, "timeout"),
+        ({"timeout": "10"}, "timeout"),
+        ({"start_timeout": -5}, "start_timeout"),
+        ({"env": {"RANK": "1"}}, "env"),
+        ({"env": {"A": 1}}, "env"),
+        ({"env": {"bad name": "1"}}, "env"),
+        ({"torchrun_args": "--nnodes=2"}, "torchrun_args"),
+        ({"torchrun_args": ["--nproc-per-node=4"]}, "torchrun_args"),
+        ({"torchrun_args": ["--max-restarts", "3"]}, "torchrun_args"),
+        ({"log_ranks": [-1]}, "log_ranks"),
+        ({"logger": "log"}, "logger"),
+        ({"on_metrics": 3}, "on_metrics"),
+    ],
+)
+def test_bad_options_raise_config_error_naming_the_argument(kwargs: dict, argument: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        TorchDistributor(**kwargs)
+    assert info.value.argument == argument
+    assert str(info.value).startswith(f"{argument}: ")
+    assert isinstance(info.value, ValueError)
+
+
+def test_defaults_match_pyspark() -> None:
+    distributor = TorchDistributor()
+    assert (distributor.num_processes, distributor.local_mode, distributor.use_gpu) == (1, True, True)
+
+
+def test_timeouts_accept_timedelta_and_numbers() -> None:
+    spec = LaunchSpec(timeout=datetime.timedelta(minutes=2), start_timeout=5)
+    assert spec.timeout == 120.0
+    assert spec.start_timeout == 5.0
+
+
+def test_spec_normalises_collections() -> None:
+    spec = LaunchSpec(log_ranks=[0, 2], torchrun_args=["--monitor-interval=1"], logger=logging.getLogger("x"))
+    assert spec.log_ranks == frozenset({0, 2})
+    assert spec.torchrun_args == ("--monitor-interval=1",)
+
+
+def test_config_error_survives_pickling() -> None:
+    error = pickle.loads(pickle.dumps(ConfigError("num_processes", "must be >= 1")))
+    assert error.argument == "num_processes"
+    assert str(error) == "num_processes: must be >= 1"
