@@ -99,7 +99,7 @@ class BarrierTask:
                 run_id=self.run_id,
                 channel=self.channel_address,
                 token=self.token,
-                payload_path=write_rank_payload(self.payload, workdir),
+                payload_path=write_rank_payload(self.payload, workdir, in_place=False),
                 host=host,
                 omp_threads=self.omp_threads,
                 cuda_visible_devices=",".join(gpus) if gpus is not None else None,

@@ -59,7 +59,7 @@ class LocalLauncher:
             run_id=run_id,
             channel=channel_address,
             token=token,
-            payload_path=write_rank_payload(payload, self._workdir),
+            payload_path=write_rank_payload(payload, self._workdir, in_place=True),
             host=host,
             omp_threads=local_omp_threads(os.cpu_count(), spec.num_processes),
             cuda_visible_devices=",".join(gpus) if gpus is not None else None,

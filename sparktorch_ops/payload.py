@@ -8,7 +8,6 @@ Scripts travel as their bytes, so they need not exist on the executors.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import pickle
@@ -44,11 +43,6 @@ class Script:
     driver_path: str
     source: bytes
     argv: tuple[str, ...]
-
-    @property
-    def sha256(self) -> str:
-        """The digest of the script's bytes."""
-        return hashlib.sha256(self.source).hexdigest()
 
 
 Payload = FunctionCall | Script
@@ -167,33 +161,26 @@ def _user_modules(fn: Any) -> Iterator[types.ModuleType]:
     yield from queue
 
 
-def materialize(payload: Payload, directory: str) -> dict[str, Any]:
+def materialize(payload: Payload, directory: str, *, in_place: bool) -> dict[str, Any]:
     """The record a rank reads: the call's bytes, or a script path valid on this node.
 
-    A script runs in place when this node has it with the same bytes (so its sibling imports
-    work); otherwise its bytes are written into ``directory``.
+    ``in_place`` (local mode) runs the script where it is, so its sibling imports and relative
+    paths behave as under torchrun; otherwise (barrier mode) its bytes are written into
+    ``directory`` so it runs where it does not exist.
     """
     if isinstance(payload, FunctionCall):
         return {"kind": "function", "data": payload.data}
     path = payload.driver_path
-    if not _same_file(path, payload.sha256):
+    if not in_place:
         path = os.path.join(directory, os.path.basename(payload.driver_path))
         with open(path, "wb") as handle:
             handle.write(payload.source)
     return {"kind": "script", "path": path, "argv": list(payload.argv)}
 
 
-def _same_file(path: str, sha256: str) -> bool:
-    try:
-        with open(path, "rb") as handle:
-            return hashlib.sha256(handle.read()).hexdigest() == sha256
-    except OSError:
-        return False
-
-
-def write_rank_payload(payload: Payload, directory: str) -> str:
+def write_rank_payload(payload: Payload, directory: str, *, in_place: bool) -> str:
     """Write the rank's record into ``directory``; return the file's path."""
-    record = materialize(payload, directory)
+    record = materialize(payload, directory, in_place=in_place)
     path = os.path.join(directory, "payload.pkl")
     with open(path, "wb") as handle:
         pickle.dump(record, handle)

@@ -16,7 +16,6 @@ import contextvars
 import logging
 import re
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,7 +66,9 @@ def artifact_keys(prefix: str) -> dict[str, str]:
     return {suffix: f"{prefix}-{suffix}" for suffix in SUFFIXES}
 
 
-def metrics_table(records: Sequence[MetricRecord], max_rows: int = MAX_TABLE_ROWS) -> list[dict[str, Any]]:
+def metrics_table(
+    records: Sequence[MetricRecord], max_rows: int = MAX_TABLE_ROWS
+) -> list[dict[str, Any]]:
     """One row per reported step and rank: step, rank, progress and every reported value.
 
     Every row has the same columns (missing values are None) so the table renders evenly; only
@@ -81,7 +82,11 @@ def metrics_table(records: Sequence[MetricRecord], max_rows: int = MAX_TABLE_ROW
                 names.append(name)
     rows = []
     for record in sorted(kept, key=lambda r: (r.step, r.rank)):
-        row: dict[str, Any] = {"step": record.step, "rank": record.rank, "progress": record.progress}
+        row: dict[str, Any] = {
+            "step": record.step,
+            "rank": record.rank,
+            "progress": record.progress,
+        }
         row.update({name: record.values.get(name) for name in names})
         rows.append(row)
     return rows
@@ -182,7 +187,9 @@ class RunArtifacts:
         interval: least seconds between two progress updates.
     """
 
-    def __init__(self, prefix: str, logger: Logger, description: str, interval: float = 1.0) -> None:
+    def __init__(
+        self, prefix: str, logger: Logger, description: str, interval: float = 1.0
+    ) -> None:
         self.keys = artifact_keys(prefix)
         self._log = logger
         self._description = description

@@ -89,7 +89,9 @@ class _SparkTarget:
     history: bool
 
 
-def _check_train(train: object, train_args: object, train_kwargs: object) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _check_train(
+    train: object, train_args: object, train_kwargs: object
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if isinstance(train_args, (str, bytes)) or not isinstance(train_args, Sequence):
         raise ConfigError(
             "train_args", f"must be a list or tuple of arguments, got {train_args!r}"
@@ -131,11 +133,12 @@ def _spark_target(
             )
         if isinstance(cluster, str):
             try:
-                cluster = SparkCluster.load(cluster)
+                loaded: Any = SparkCluster.load(cluster)
             except ValueError as exc:
                 raise ConfigError(
                     "cluster", f"no SparkCluster block named {cluster!r}: {exc}"
                 ) from None
+            cluster = loaded
         if not isinstance(cluster, SparkCluster):
             raise ConfigError(
                 "cluster", f"must be a SparkCluster block or its name, got {cluster!r}"
@@ -249,11 +252,15 @@ def run_torch_distributor(
     task_name = ctx.task.name if ctx is not None else "run_torch_distributor"
     run_name = ctx.task_run.name if ctx is not None else task_name
 
-    prefix = check_artifact_key(artifact_key) if artifact_key is not None else key_from_name(task_name)
+    prefix = (
+        check_artifact_key(artifact_key) if artifact_key is not None else key_from_name(task_name)
+    )
     args, kwargs = _check_train(train, train_args, train_kwargs)
     target = _spark_target(master, conf, cluster)
     recorder = (
-        RunArtifacts(prefix, logger, f"Training progress of {run_name} (rank 0's report(progress=...))")
+        RunArtifacts(
+            prefix, logger, f"Training progress of {run_name} (rank 0's report(progress=...))"
+        )
         if artifacts
         else None
     )

@@ -1,0 +1,33 @@
+"""The operator extra link to the Spark UI of a barrier-mode run.
+
+While the task runs, the operator pushes the live driver UI (or the History Server page) under
+this link's XCom key as soon as its Spark session is up, so the button works during training.
+When the task ends, Airflow asks :meth:`SparkUILink.get_link` once more and stores the answer:
+the History Server page when one is configured (``spark.yarn.historyServer.address`` or
+``spark.sparktorch.historyServer.url``), because the driver's live UI dies with the task;
+otherwise an empty link.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from airflow.sdk import BaseOperatorLink
+
+if TYPE_CHECKING:
+    from airflow.sdk import BaseOperator
+    from airflow.sdk.types import TaskInstanceKey
+
+
+class SparkUILink(BaseOperatorLink):
+    """Link to the Spark UI of the task's run (History Server, else the live UI while running)."""
+
+    name = "Spark UI"
+
+    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
+        """The operator's Spark UI link as the task ends (``""`` when there is none).
+
+        Airflow 3 calls this in the worker when the task finishes and stores the answer in XCom
+        (the UI reads it from there); the operator keeps the link up to date while it runs.
+        """
+        return str(getattr(operator, "spark_ui_link", None) or "")

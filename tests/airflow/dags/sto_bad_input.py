@@ -1,0 +1,52 @@
+"""Test DAG: bad input fails each task at once, with no retry, before anything starts."""
+
+from __future__ import annotations
+
+import datetime
+
+import pendulum
+from airflow.sdk import DAG
+
+from sparktorch_ops.airflow import TorchDistributorOperator
+
+
+def never_runs() -> None:
+    """A valid training function; the tasks fail before it could start."""
+    raise AssertionError("the training must not start")
+
+
+with DAG(
+    dag_id="sto_bad_input",
+    schedule=None,
+    start_date=pendulum.datetime(2025, 1, 1, tz="UTC"),
+    catchup=False,
+    params={"n": "two", "dir": "/nonexistent-sparktorch-dir"},
+    # Retryable failures would be retried at once; a bad input must not be.
+    default_args={"retries": 3, "retry_delay": datetime.timedelta(seconds=0)},
+) as dag:
+    TorchDistributorOperator(
+        task_id="unknown_conn",
+        train=never_runs,
+        local_mode=False,
+        conn_id="no_such_spark_conn",
+        num_processes=2,
+        use_gpu=False,
+    )
+    TorchDistributorOperator(
+        task_id="train_not_callable",
+        train=42,  # type: ignore[arg-type]
+        num_processes=2,
+        use_gpu=False,
+    )
+    TorchDistributorOperator(
+        task_id="missing_script",
+        train="{{ params.dir }}/train-{{ ds_nodash }}.py",
+        num_processes=2,
+        use_gpu=False,
+    )
+    TorchDistributorOperator(
+        task_id="num_processes_not_int",
+        train=never_runs,
+        num_processes="{{ params.n }}",
+        use_gpu=False,
+    )

@@ -1,0 +1,177 @@
+"""The operator's parts without a run: connection reading, result storage, provider info."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+LOG = logging.getLogger("tests.airflow")
+
+CONNECTIONS = {
+    # The UI way: conn_type spark, the master URL in host, maybe a port.
+    "sto_standalone": {"conn_type": "spark", "host": "spark://10.1.2.3", "port": 7077},
+    "sto_local": {"conn_type": "spark", "host": "local[4]"},
+    "sto_yarn": {"conn_type": "spark", "host": "yarn", "extra": {"queue": "ml", "deploy-mode": "client"}},
+    "sto_extras": {
+        "conn_type": "spark",
+        "host": "spark://10.1.2.4",
+        "port": 7078,
+        "extra": {"spark.executor.memory": "3g", "namespace": "ml-team", "deploy-mode": "cluster"},
+    },
+}
+URI_CONNECTIONS = {"sto_from_uri": "spark://spark-master.example:7079"}
+
+
+@pytest.fixture
+def spark_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    for conn_id, spec in CONNECTIONS.items():
+        monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(spec))
+    for conn_id, uri in URI_CONNECTIONS.items():
+        monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", uri)
+
+
+@pytest.mark.usefixtures("spark_connections")
+@pytest.mark.parametrize("conn_id", [*CONNECTIONS, *URI_CONNECTIONS])
+def test_master_is_what_the_spark_provider_reads(conn_id: str) -> None:
+    from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+
+    from sparktorch_ops.airflow.connection import resolve_connection
+
+    expected = SparkSubmitHook(conn_id=conn_id)._resolve_connection()
+    ours = resolve_connection(conn_id, LOG)
+    assert ours.master == expected["master"]
+    assert ours.conn_id == conn_id
+
+
+@pytest.mark.usefixtures("spark_connections")
+def test_connection_extras_become_spark_settings(caplog: pytest.LogCaptureFixture) -> None:
+    from sparktorch_ops.airflow.connection import resolve_connection
+
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        extras = resolve_connection("sto_extras", LOG)
+    assert extras.master == "spark://10.1.2.4:7078"
+    assert extras.conf == {
+        "spark.executor.memory": "3g",
+        "spark.kubernetes.namespace": "ml-team",
+    }
+    assert "deploy-mode=cluster is ignored" in caplog.text
+    assert resolve_connection("sto_yarn", LOG).conf == {"spark.yarn.queue": "ml"}
+
+
+def test_default_connection_may_be_absent_others_may_not(caplog: pytest.LogCaptureFixture) -> None:
+    from sparktorch_ops.airflow.connection import (
+        MissingConnectionError,
+        resolve_connection,
+    )
+
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        fallback = resolve_connection("spark_default", LOG)
+    assert (fallback.master, fallback.conn_id) == ("local[*]", None)
+    assert "no connection 'spark_default': using local Spark" in caplog.text
+    with pytest.raises(MissingConnectionError, match="'sto_no_such_conn' does not exist"):
+        resolve_connection("sto_no_such_conn", LOG)
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ({"a": [1, 2.5, None, True, "x"], "b": {"c": (1, 2)}}, None),
+        ({"loss": float("nan")}, "value['loss'] is nan (not finite)"),
+        ({1: "x"}, "value has a key of type int (1)"),
+        ([b"raw"], "value[0] is a builtins.bytes"),
+        ({"s": {1, 2}}, "value['s'] is a builtins.set"),
+    ],
+)
+def test_json_safe_problem(value: Any, problem: str | None) -> None:
+    from sparktorch_ops.airflow.storage import json_safe_problem
+
+    assert json_safe_problem(value) == problem
+
+
+def test_small_json_value_stays_inline(tmp_path: Path) -> None:
+    from sparktorch_ops.airflow.storage import load_result, value_fields
+
+    fields = value_fields({"acc": 0.9}, location=str(tmp_path), key="k", max_bytes=100)
+    assert fields == {"value": {"acc": 0.9}}
+    assert load_result(fields) == {"acc": 0.9}
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("location", ["local", "file_uri", "memory"])
+def test_large_and_non_json_values_are_stored(tmp_path: Path, location: str) -> None:
+    from sparktorch_ops.airflow.storage import load_result, result_key, value_fields
+
+    base = {
+        "local": str(tmp_path / "results"),
+        "file_uri": (tmp_path / "results").as_uri(),
+        "memory": f"memory://sto-{tmp_path.name}",
+    }[location]
+    key = result_key("dag", "manual__2025-01-01T00:00:00+00:00", "train", -1, 2)
+    assert key == "dag/manual__2025-01-01T00_00_00_00_00/train/try-2"
+
+    text = "y" * 5000
+    stored = value_fields(text, location=base, key=key, max_bytes=1000)
+    assert stored["value_format"] == "text"
+    assert stored["value_size"] == 5000
+    assert "5002 bytes as JSON, more than max_xcom_value_bytes=1000" in stored["value_stored_because"]
+    assert "value" not in stored
+    assert stored["value_uri"].endswith(f"{key}/result.txt")
+    assert load_result(stored) == text
+    assert load_result(stored["value_uri"]) == text
+
+    odd = {"labels": {1, 2}, "blob": b"\x00\xff"}
+    stored = value_fields(odd, location=base, key=key, max_bytes=10**6)
+    assert stored["value_format"] == "pickle"
+    assert stored["value_stored_because"] == "value['labels'] is a builtins.set"
+    assert load_result(stored) == odd
+    if location != "memory":
+        assert stored["value_uri"].startswith("file://")
+        assert Path(stored["value_uri"].removeprefix("file://")).stat().st_size == stored["value_size"]
+
+
+def test_provider_info_matches_airflow_schema() -> None:
+    import importlib.resources
+
+    import jsonschema
+    from airflow.sdk import BaseOperatorLink
+    from airflow.sdk._shared.module_loading import import_string
+    from packaging.utils import canonicalize_name
+
+    from sparktorch_ops.airflow.provider import get_provider_info
+
+    info = get_provider_info()
+    schema = json.loads(
+        importlib.resources.files("airflow").joinpath("provider_info.schema.json").read_text()
+    )
+    jsonschema.validate(info, schema)
+    # Airflow refuses provider info whose package name is not the distribution's.
+    assert info["package-name"] == canonicalize_name("sparktorch-ops")
+    assert "connection-types" not in info  # the Spark provider's "spark" type is used as it is
+    for class_name in info["extra-links"]:
+        assert issubclass(import_string(class_name), BaseOperatorLink)
+    for group in info["operators"]:
+        for module in group["python-modules"]:
+            assert hasattr(import_string(f"{module}.TorchDistributorOperator"), "execute")
+    options = info["config"]["sparktorch_ops"]["options"]
+    assert int(options["max_xcom_value_bytes"]["default"]) == 48 * 1024
+
+
+def test_operator_declares_templates_and_link() -> None:
+    from sparktorch_ops.airflow import SparkUILink, TorchDistributorOperator
+
+    def fn() -> None:
+        """Unused."""
+
+    with_fn = TorchDistributorOperator(task_id="a", train=fn)
+    with_path = TorchDistributorOperator(task_id="b", train=Path("/x/train.py"))
+    common = {"train_args", "train_kwargs", "num_processes", "spark_conf", "env"}
+    assert common <= set(with_fn.template_fields)
+    # A callable template field would be called by Airflow's templating: only paths render.
+    assert "train" not in with_fn.template_fields
+    assert "train" in with_path.template_fields
+    assert with_path.train == "/x/train.py"
+    assert [type(link) for link in with_fn.operator_extra_links] == [SparkUILink]

@@ -1,0 +1,252 @@
+"""run_torch_distributor under a real Prefect API: failures, retries, timeouts, bad input,
+barrier mode with a SparkCluster block. Everything is read back through the Prefect client."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect import flow
+
+from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.prefect import SparkCluster, run_torch_distributor, validate_master
+from sparktorch_ops.prefect.artifacts import check_artifact_key, key_from_name, metrics_table
+from sparktorch_ops.results import MetricRecord
+from tests.prefect.conftest import flow_run_artifacts, flow_run_logs, run_ids, task_runs
+from tests.support.procs import wait_until_gone
+
+
+def _fail_on_rank_1() -> str:
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise ValueError("boom from rank 1")
+    return "rank 0 is fine"
+
+
+def _fail_first_attempt(marker: str) -> int:
+    import os
+
+    if os.environ["RANK"] == "1" and not os.path.exists(marker):
+        open(marker, "w").close()
+        raise RuntimeError("first attempt fails")
+    return int(os.environ["WORLD_SIZE"])
+
+
+def _sleep_forever(marker_dir: str) -> None:
+    import os
+    import time
+
+    with open(os.path.join(marker_dir, f"rank{os.environ['RANK']}"), "w") as handle:
+        handle.write(os.environ["SPARKTORCH_OPS_RUN_ID"])
+    time.sleep(600)
+
+
+def _barrier_job() -> dict[str, Any]:
+    import os
+
+    from sparktorch_ops import report
+
+    report(step=0, progress=1.0, value=int(os.environ["RANK"]) + 1)
+    return {"world_size": int(os.environ["WORLD_SIZE"])}
+
+
+def test_failing_rank_fails_the_task_with_rank_and_traceback() -> None:
+    @flow
+    def failing() -> str:
+        return run_torch_distributor(
+            _fail_on_rank_1, num_processes=2, local_mode=True, use_gpu=False
+        )
+
+    state = failing(return_state=True)
+    assert state.is_failed()
+    [task_run] = task_runs(state.state_details.flow_run_id)
+    message = task_run.state.message
+    assert "rank 1 failed first" in message
+    assert "ValueError: boom from rank 1" in message
+    artifacts = flow_run_artifacts(state.state_details.flow_run_id)
+    summary = artifacts["run-torch-distributor-summary"].data
+    assert ": failed" in summary and "Traceback" in summary and "boom from rank 1" in summary
+    assert artifacts["run-torch-distributor-progress"].data < 100
+    logs = flow_run_logs(state.state_details.flow_run_id)
+    assert any("Traceback" in log.message and "boom from rank 1" in log.message for log in logs)
+    [run_id] = run_ids(logs)
+    assert wait_until_gone(run_id, timeout=15) == []
+
+
+def test_retry_reruns_the_whole_job(tmp_path: Path) -> None:
+    retried = run_torch_distributor.with_options(
+        name="retried training", retries=1, retry_delay_seconds=0
+    )
+
+    @flow
+    def with_retry(marker: str) -> int:
+        return retried(
+            _fail_first_attempt, (marker,), num_processes=2, local_mode=True, use_gpu=False
+        )
+
+    state = with_retry(str(tmp_path / "failed-once"), return_state=True)
+    assert state.is_completed(), state.message
+    assert state.result() == 2
+    [task_run] = task_runs(state.state_details.flow_run_id)
+    assert task_run.run_count == 2
+    logs = flow_run_logs(state.state_details.flow_run_id)
+    first, second = run_ids(logs)
+    assert first != second
+    assert any("first attempt fails" in log.message for log in logs)
+    for run_id in (first, second):
+        assert wait_until_gone(run_id, timeout=15) == []
+    artifacts = flow_run_artifacts(state.state_details.flow_run_id)
+    assert artifacts["retried-training-progress"].data == 100
+    assert ": completed" in artifacts["retried-training-summary"].data
+
+
+@pytest.mark.parametrize("call", ["direct", "submit"])
+def test_task_timeout_stops_the_training(call: str, tmp_path: Path) -> None:
+    limited = run_torch_distributor.with_options(timeout_seconds=4)
+
+    @flow
+    def too_long(marker_dir: str) -> None:
+        kwargs: dict[str, Any] = {"num_processes": 2, "local_mode": True, "use_gpu": False}
+        if call == "submit":  # a worker thread: the timeout is an injected exception
+            limited.submit(_sleep_forever, (marker_dir,), **kwargs).result()
+        else:
+            limited(_sleep_forever, (marker_dir,), **kwargs)
+
+    started = time.monotonic()
+    state = too_long(str(tmp_path), return_state=True)
+    elapsed = time.monotonic() - started
+    assert state.is_failed()
+    [task_run] = task_runs(state.state_details.flow_run_id)
+    assert task_run.state.name == "TimedOut", task_run.state
+    # Both ranks were running, so the timeout really interrupted a training in progress.
+    run_id = (tmp_path / "rank0").read_text()
+    assert (tmp_path / "rank1").read_text() == run_id
+    assert wait_until_gone(run_id, timeout=15) == []
+    assert elapsed < 60
+    assert run_ids(flow_run_logs(state.state_details.flow_run_id)) == [run_id]
+
+
+@pytest.mark.parametrize(
+    ("options", "argument"),
+    [
+        ({"artifact_key": "Not_Valid"}, "artifact_key"),
+        ({"train": 42}, "train"),
+        ({"train": "no/such/train_script.py"}, "train"),
+        ({"master": "nonsense://x", "local_mode": False}, "master"),
+        ({"num_processes": 0}, "num_processes"),
+    ],
+)
+def test_bad_input_fails_before_anything_starts(options: dict[str, Any], argument: str) -> None:
+    task_ = run_torch_distributor.with_options(retries=2, retry_delay_seconds=0)
+    kwargs: dict[str, Any] = {"num_processes": 2, "local_mode": True, "use_gpu": False}
+    kwargs.update(options)
+    train = kwargs.pop("train", _barrier_job)
+
+    @flow
+    def bad() -> None:
+        task_(train, **kwargs)
+
+    state = bad(return_state=True)
+    assert state.is_failed()
+    [task_run] = task_runs(state.state_details.flow_run_id)
+    assert task_run.run_count == 1  # bad input is not retried
+    assert f"{argument}:" in task_run.state.message
+    logs = flow_run_logs(state.state_details.flow_run_id)
+    assert any("ConfigError" in log.message and f"{argument}:" in log.message for log in logs)
+    assert run_ids(logs) == []  # nothing was launched
+    assert flow_run_artifacts(state.state_details.flow_run_id) == {}
+
+
+def test_barrier_mode_on_a_named_cluster_links_the_spark_ui(spark: Any) -> None:
+    SparkCluster(master="local[2]", conf={"spark.ui.showConsoleProgress": "false"}).save(
+        "test-local-cluster", overwrite=True
+    )
+
+    @flow
+    def on_cluster() -> dict[str, Any]:
+        return run_torch_distributor(
+            _barrier_job,
+            num_processes=2,
+            local_mode=False,
+            use_gpu=False,
+            cluster="test-local-cluster",
+            artifact_key="barrier-job",
+        )
+
+    state = on_cluster(return_state=True)
+    assert state.is_completed(), state.message
+    assert state.result() == {"world_size": 2}
+    flow_run_id = state.state_details.flow_run_id
+    artifacts = flow_run_artifacts(flow_run_id)
+    assert artifacts["barrier-job-progress"].data == 100
+    summary = artifacts["barrier-job-summary"].data
+    assert "barrier (one rank per Spark barrier task)" in summary
+    assert spark.sparkContext.applicationId in summary
+    link = artifacts["barrier-job-spark-ui"]
+    assert link.type == "markdown"  # Prefect renders link artifacts as markdown links
+    assert spark.sparkContext.uiWebUrl in link.data
+    rows = {(row["rank"], row["value"]) for row in _table(artifacts["barrier-job-metrics"])}
+    assert rows == {(0, 1), (1, 2)}
+    logs = flow_run_logs(flow_run_id)
+    assert any("reusing the SparkContext" in log.message for log in logs)
+    [run_id] = run_ids(logs)
+    assert wait_until_gone(run_id, timeout=15) == []
+
+
+def _table(artifact: Any) -> list[dict[str, Any]]:
+    import json
+
+    data = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+    return list(data)
+
+
+# Pure helpers: no Prefect run needed.
+
+
+@pytest.mark.parametrize(
+    "master",
+    ["local", "local[2]", "local[*]", "local[4,2]", "local-cluster[2,1,1024]",
+     "spark://head:7077", "spark://a:7077,b:7077", "yarn", "k8s://https://api:6443",
+     "mesos://zk:5050"],
+)
+def test_valid_masters(master: str) -> None:
+    assert validate_master(master) == master
+
+
+@pytest.mark.parametrize("master", ["nonsense://x", "local[0]", "local[x]", "spark://", "", 7])
+def test_invalid_masters_name_the_argument(master: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_master(master)
+    assert info.value.argument == "master"
+
+
+def test_cluster_block_validates_its_master() -> None:
+    with pytest.raises(ValueError, match="not a Spark master URL"):
+        SparkCluster(master="nonsense://x")
+    cluster = SparkCluster(master="yarn", history_server_url="http://history:18080")
+    assert cluster.spark_conf()["spark.sparktorch.historyServer.url"] == "http://history:18080"
+
+
+def test_artifact_keys() -> None:
+    assert key_from_name("Train Digits_v2") == "train-digits-v2"
+    assert key_from_name("run_torch_distributor") == "run-torch-distributor"
+    assert check_artifact_key("nightly-1") == "nightly-1"
+    for bad in ("Upper", "under_score", "", "spa ce"):
+        with pytest.raises(ConfigError):
+            check_artifact_key(bad)
+
+
+def test_metrics_table_has_even_columns() -> None:
+    records = [
+        MetricRecord(rank=1, step=0, time=0.0, values={"loss": 2.0}),
+        MetricRecord(rank=0, step=0, time=0.0, values={"loss": 1.0}, progress=0.5),
+        MetricRecord(rank=0, step=1, time=0.0, values={"acc": 0.9}, progress=1.0),
+    ]
+    assert metrics_table(records) == [
+        {"step": 0, "rank": 0, "progress": 0.5, "loss": 1.0, "acc": None},
+        {"step": 0, "rank": 1, "progress": None, "loss": 2.0, "acc": None},
+        {"step": 1, "rank": 0, "progress": 1.0, "loss": None, "acc": 0.9},
+    ]
