@@ -70,6 +70,7 @@ class DagRunOutcome:
     run_id: str
     state: str
     log: str
+    logical_date: Any
 
     def task(self, task_id: str) -> Any:
         """The task instance (state, try_number) of ``task_id`` in this run."""
@@ -132,7 +133,7 @@ def load_dag(dag_id: str) -> Any:
     """The DAG ``dag_id`` parsed from the session's DAGs folder, checked for import errors."""
     from airflow.dag_processing.dagbag import DagBag
 
-    bag = DagBag(dag_folder=str(DAGS_FOLDER), include_examples=False)
+    bag = DagBag(dag_folder=str(DAGS_FOLDER))
     assert not bag.import_errors, bag.import_errors
     dag = bag.get_dag(dag_id)
     assert dag is not None, f"{dag_id} not in {sorted(bag.dag_ids)}"
@@ -154,7 +155,9 @@ def run_dag(airflow_db: Path) -> Iterator[Any]:
             capfd.readouterr()
             dag_run = dag.test(run_conf=conf or None)
             out, err = capfd.readouterr()
-            outcomes[key] = DagRunOutcome(dag_id, dag_run.run_id, str(dag_run.state), out + err)
+            outcomes[key] = DagRunOutcome(
+                dag_id, dag_run.run_id, str(dag_run.state), out + err, dag_run.logical_date
+            )
         outcome = outcomes[key]
         sys.stdout.write(outcome.log[-30000:])  # shown by pytest when the test fails
         return outcome

@@ -57,7 +57,6 @@ def test_retrain_digits_flow_publishes_and_reports(registry: Path) -> None:
     logs = flow_run_logs(flow_run_id)
     lines = [log.message for log in logs if log.task_run_id == runs["train-digits"].id]
     assert any(line.startswith("[rank 0|") and "epoch 1: loss" in line for line in lines)
-    assert any(line.startswith("[rank 1|") for line in lines)
     [run_id] = run_ids(logs)
     assert wait_until_gone(run_id, timeout=15) == []
 

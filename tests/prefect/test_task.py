@@ -44,6 +44,19 @@ def _sleep_forever(marker_dir: str) -> None:
     time.sleep(600)
 
 
+def _half_then_wait(go_file: str) -> bool:
+    import os
+    import time
+
+    from sparktorch_ops import report
+
+    report(progress=0.5, phase=1)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(go_file) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return os.path.exists(go_file)
+
+
 def _barrier_job() -> dict[str, Any]:
     import os
 
@@ -71,9 +84,45 @@ def test_failing_rank_fails_the_task_with_rank_and_traceback() -> None:
     assert ": failed" in summary and "Traceback" in summary and "boom from rank 1" in summary
     assert artifacts["run-torch-distributor-progress"].data < 100
     logs = flow_run_logs(state.state_details.flow_run_id)
-    assert any("Traceback" in log.message and "boom from rank 1" in log.message for log in logs)
+    # rank 1's own output reached the API live, prefixed, its traceback as warnings
+    rank1 = [log for log in logs if log.message.startswith("[rank 1|")]
+    assert any("ValueError: boom from rank 1" in log.message for log in rank1)
+    assert {log.level for log in rank1} == {30}
     [run_id] = run_ids(logs)
     assert wait_until_gone(run_id, timeout=15) == []
+
+
+def test_progress_artifact_is_updated_live(tmp_path: Path) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.runtime import flow_run
+
+    @flow
+    def live(go_file: str) -> tuple[list[float], bool]:
+        future = run_torch_distributor.with_options(name="live").submit(
+            _half_then_wait, (go_file,), num_processes=2, local_mode=True, use_gpu=False
+        )
+        seen: list[float] = []
+        deadline = time.monotonic() + 90
+        with get_client(sync_client=True) as client:
+            # While rank 0 waits, its report(progress=0.5) must already show in the API.
+            while time.monotonic() < deadline and 50 not in seen and not future.state.is_final():
+                for artifact in client.read_artifacts(
+                    artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["live-progress"]))
+                ):
+                    if str(artifact.flow_run_id) == flow_run.get_id():
+                        seen.append(artifact.data)
+                time.sleep(0.3)
+        Path(go_file).touch()
+        return seen, future.result()
+
+    state = live(str(tmp_path / "go"), return_state=True)
+    assert state.is_completed(), state.message
+    seen, released = state.result()
+    assert released is True
+    assert 50 in seen and set(seen) <= {0, 50}
+    artifacts = flow_run_artifacts(state.state_details.flow_run_id)
+    assert artifacts["live-progress"].data == 100
 
 
 def test_retry_reruns_the_whole_job(tmp_path: Path) -> None:
@@ -105,7 +154,9 @@ def test_retry_reruns_the_whole_job(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("call", ["direct", "submit"])
 def test_task_timeout_stops_the_training(call: str, tmp_path: Path) -> None:
-    limited = run_torch_distributor.with_options(timeout_seconds=4)
+    # Long enough for both ranks to start on a loaded 2-core machine, so the timeout
+    # interrupts a training in progress (checked below through the ranks' marker files).
+    limited = run_torch_distributor.with_options(timeout_seconds=12)
 
     @flow
     def too_long(marker_dir: str) -> None:
@@ -121,12 +172,15 @@ def test_task_timeout_stops_the_training(call: str, tmp_path: Path) -> None:
     assert state.is_failed()
     [task_run] = task_runs(state.state_details.flow_run_id)
     assert task_run.state.name == "TimedOut", task_run.state
-    # Both ranks were running, so the timeout really interrupted a training in progress.
+    markers = sorted(p.name for p in tmp_path.iterdir())
+    assert markers == ["rank0", "rank1"], f"the ranks had not started: {markers}"
     run_id = (tmp_path / "rank0").read_text()
     assert (tmp_path / "rank1").read_text() == run_id
     assert wait_until_gone(run_id, timeout=15) == []
     assert elapsed < 60
     assert run_ids(flow_run_logs(state.state_details.flow_run_id)) == [run_id]
+    summary = flow_run_artifacts(state.state_details.flow_run_id)["run-torch-distributor-summary"]
+    assert ": timed out" in summary.data and "timeout_seconds=12" in summary.data
 
 
 @pytest.mark.parametrize(

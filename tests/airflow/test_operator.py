@@ -1,0 +1,142 @@
+"""TorchDistributorOperator in real DAG runs (``dag.test()`` on the SQLite metadata DB).
+
+One run of ``tests/airflow/dags/sto_ops.py`` serves the tests of this module; each checks one
+task of it. ``sto_bad_input`` checks that bad input fails at once, without retry.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from sparktorch_ops.airflow import load_result
+from tests.support.procs import wait_until_gone
+
+RANK_LINE = re.compile(r"\[(\w+)\s*\] \[rank (\d+)\|[^\]]+\] (.*?) \[airflow\.task")
+RUN_STARTED = re.compile(r"sparktorch_ops: (sparktorch-[0-9a-f]+) started")
+
+
+def rank_lines(log: str) -> list[tuple[str, int, str]]:
+    """``(level, rank, text)`` of every rank line in ``log``."""
+    return [(m[1], int(m[2]), m[3]) for m in RANK_LINE.finditer(log)]
+
+
+@pytest.fixture
+def ops(capfd: pytest.CaptureFixture[str], run_dag: Any) -> Any:
+    o = run_dag(capfd, "sto_ops")
+    open("/tmp/exp/ops.log", "w").write(o.log)
+    return o
+
+
+def test_summary_is_pushed_with_the_rank0_value_and_metrics(ops: Any) -> None:
+    assert ops.task("summary").state == "success"
+    summary = ops.xcom("summary")
+    assert summary["value"]["rank"] == 0
+    assert summary["value"]["world_size"] == 2
+    assert summary["metrics"] == {"loss": pytest.approx(1 / 3)}
+    assert summary["progress"] == 1.0
+    assert summary["num_processes"] == 2
+    assert summary["mode"] == "local"
+    assert summary["app_id"] is None and summary["ui_url"] is None
+    assert summary["exit_codes"] == {"0": 0, "1": 0}
+    assert summary["duration_s"] > 0
+    assert summary["run_id"].startswith("sparktorch-")
+    assert "value_uri" not in summary
+    # No Spark in local mode: the link is empty.
+    assert ops.xcom("summary", key="_link_SparkUILink") == ""
+
+
+def test_templated_fields_are_rendered(ops: Any) -> None:
+    value = ops.xcom("summary")["value"]
+    day = ops.logical_date.strftime("%Y-%m-%d")
+    assert value["word"] == f"hello-{day.replace('-', '')}"
+    assert value["out_dir"] == f"/data/out/{day}"
+    assert value["tag"] == "sto_ops"
+    assert value["env_tag"] == f"summary-{day}"
+    rendered = ops.rendered("summary")
+    assert rendered["num_processes"] == "2"
+    assert rendered["spark_conf"] == {"spark.app.name": "sto_ops"}
+    assert rendered["env"] == {"STO_TAG": f"summary-{day}"}
+    assert rendered["train_kwargs"] == {"out_dir": f"/data/out/{day}", "tag": "sto_ops"}
+
+
+def test_rank_output_reaches_the_task_log_at_info_with_rank_prefixes(ops: Any) -> None:
+    lines = rank_lines(ops.task_log("summary"))
+    assert ("info", 0, "training started on rank 0") in lines
+    assert ("info", 1, "training started on rank 1") in lines
+    assert ("warning", 0, "a note on stderr from rank 0") in lines
+    assert ("warning", 1, "a note on stderr from rank 1") in lines
+    assert {level for level, _, _ in lines} <= {"info", "warning"}
+    assert not re.search(r"\[error\s*\] \[rank", ops.log)
+    assert "sparktorch_ops: step 2 progress 100% loss=0.333" in ops.task_log("summary")
+
+
+def test_non_json_value_goes_to_the_configured_location(ops: Any) -> None:
+    assert ops.task("non_json").state == "success"
+    summary = ops.xcom("non_json")
+    day = ops.logical_date.strftime("%Y-%m-%d")
+    assert "value" not in summary
+    assert summary["value_uri"].startswith(f"memory://sto-results/{day}/sto_ops/")
+    assert summary["value_uri"].endswith("/non_json/try-1/result.pkl")
+    assert summary["value_format"] == "pickle"
+    assert summary["value_size"] > 0
+    assert "builtins.set" in summary["value_stored_because"]
+    assert load_result(summary) == {"labels": {1, 2, 3}, "blob": b"\x00\x01binary", "rank": 0}
+
+
+def test_large_value_goes_to_the_default_location(ops: Any, airflow_db: Any) -> None:
+    assert ops.task("large").state == "success"
+    summary = ops.xcom("large")
+    default_dir = (airflow_db / "sparktorch_ops" / "results").as_uri()
+    assert summary["value_uri"].startswith(default_dir + "/sto_ops/")
+    assert summary["value_format"] == "text"
+    assert summary["value_size"] == 100_000 + len("|rank 0")
+    assert "more than max_xcom_value_bytes=49152" in summary["value_stored_because"]
+    assert load_result(summary) == "x" * 100_000 + "|rank 0"
+
+
+def test_failing_rank_fails_the_task_with_its_traceback(ops: Any) -> None:
+    task = ops.task("fails")
+    assert task.state == "failed"
+    log = ops.task_log("fails")
+    error = log[log.index("Task failed with exception") :]
+    assert "TorchTrainingError: training failed: rank 1 failed first" in error
+    assert "ValueError: rank one exploded on purpose" in error
+    assert 'in fail_on_rank_one\n    raise ValueError("rank one exploded on purpose")' in error
+    run_id = RUN_STARTED.search(log)
+    assert run_id and wait_until_gone(run_id[1], timeout=30) == []
+
+
+def test_execution_timeout_cancels_the_run(ops: Any) -> None:
+    task = ops.task("times_out")
+    assert task.state == "failed"
+    log = ops.task_log("times_out")
+    assert "training started, sleeping" in log
+    assert "AirflowTaskTimeout" in log
+    run_id = RUN_STARTED.search(log)
+    assert run_id and wait_until_gone(run_id[1], timeout=30) == []
+
+
+BAD_INPUT = {
+    "unknown_conn": "the Airflow connection 'no_such_spark_conn' does not exist",
+    "train_not_callable": "train: must be a callable or the path of a Python script, got int",
+    "missing_script": "train: the script '/nonexistent-sparktorch-dir/train-",
+    "num_processes_not_int": "num_processes: must be an integer after templating, got 'two'",
+}
+
+
+def test_bad_input_fails_at_once_without_retry(
+    capfd: pytest.CaptureFixture[str], run_dag: Any
+) -> None:
+    outcome = run_dag(capfd, "sto_bad_input")
+    for task_id, message in BAD_INPUT.items():
+        task = outcome.task(task_id)
+        assert (task.state, task.try_number) == ("failed", 1), task_id
+        log = outcome.task_log(task_id)
+        assert "AirflowFailException" in log, task_id
+        assert message in log, task_id
+        # Nothing started: no Spark session, no ranks.
+        assert "starting a SparkSession" not in log, task_id
+        assert not RUN_STARTED.search(log), task_id
