@@ -107,14 +107,13 @@ class DagRunOutcome:
         return dict(fields)
 
     def task_log(self, task_id: str) -> str:
-        """The log lines of ``task_id`` (``dag.test`` prints each task between markers)."""
-        pattern = (
-            rf"\[DAG TEST\] starting task_id={re.escape(task_id)} .*?"
-            rf"\[DAG TEST\] end task task_id={re.escape(task_id)} "
-        )
-        found = re.search(pattern, self.log, re.S)
-        assert found, f"no log section for {task_id}"
-        return found.group(0)
+        """The log of ``task_id``: from its start to its final state, as the API logged them."""
+        ti_id = re.escape(str(self.task(task_id).id))
+        start = re.search(rf"Task started [^\n]*ti_id={ti_id}", self.log)
+        assert start, f"no start of {task_id} in the log"
+        end = re.search(rf"new_state=\w+[^\n]*ti_id={ti_id}", self.log[start.end() :])
+        assert end, f"no end of {task_id} in the log"
+        return self.log[start.start() : start.end() + end.end()]
 
 
 def read_xcom(dag_id: str, run_id: str, task_id: str, key: str = "return_value") -> Any:

@@ -25,9 +25,7 @@ def rank_lines(log: str) -> list[tuple[str, int, str]]:
 
 @pytest.fixture
 def ops(capfd: pytest.CaptureFixture[str], run_dag: Any) -> Any:
-    o = run_dag(capfd, "sto_ops")
-    open("/tmp/exp/ops.log", "w").write(o.log)
-    return o
+    return run_dag(capfd, "sto_ops")
 
 
 def test_summary_is_pushed_with_the_rank0_value_and_metrics(ops: Any) -> None:

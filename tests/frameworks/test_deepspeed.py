@@ -132,7 +132,7 @@ def test_bad_counts_are_config_errors(bad: Any) -> None:
 
 def test_functions_kwargs_and_missing_scripts_are_refused(tmp_path: Path) -> None:
     d = DeepspeedTorchDistributor(numGpus=2, useGpu=False, deepspeedConfig={"a": 1})
-    with pytest.raises(ConfigError, match="deepspeed.initialize") as caught:
+    with pytest.raises(ConfigError, match=r"deepspeed\.initialize") as caught:
         d.run(len)
     assert caught.value.argument == "train_object"
     script = tmp_path / "t.py"
@@ -166,7 +166,12 @@ PROBE = textwrap.dedent(
 
 
 def _probe_records(text: str) -> list[dict[str, Any]]:
-    return [json.loads(line[len("PROBE ") :]) for line in text.splitlines() if "PROBE {" in line]
+    marker = "PROBE "
+    return [
+        json.loads(line[line.index(marker) + len(marker) :])
+        for line in text.splitlines()
+        if marker + "{" in line
+    ]
 
 
 def test_rank_side_runs_a_private_copy_and_removes_the_config(
@@ -184,7 +189,8 @@ def test_rank_side_runs_a_private_copy_and_removes_the_config(
     assert caught.value.code == 3
     (record,) = _probe_records(capsys.readouterr().out)
     assert record["file"] != missing and record["file"].endswith("/train.py")
-    assert record["argv"] == script_argv(record["file"], ["--epochs=1", "--fail"], record["config_path"])
+    expected = script_argv(record["file"], ["--epochs=1", "--fail"], record["config_path"])
+    assert record["argv"] == expected
     assert record["config"] == '{"train_batch_size": 4}'
     assert not os.path.exists(record["config_path"])
     assert not os.path.exists(record["file"])
@@ -208,7 +214,7 @@ def probe_script(tmp_path: Path) -> Path:
     return path
 
 
-def _check_probe_run(output: str, script: Path, ranks: int, config: dict[str, Any]) -> None:
+def _check_probe_run(output: str, script: Path, config: dict[str, Any]) -> None:
     records = _probe_records(output)
     # run() returns rank 0's stdout, as for any script.
     assert [r["rank"] for r in records] == ["0"]
@@ -223,7 +229,7 @@ def test_local_run_gives_every_rank_deepspeed_argv_and_removes_config(probe_scri
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
     d = DeepspeedTorchDistributor(numGpus=2, localMode=True, useGpu=False, deepspeedConfig=config)
     result = d.launch(str(probe_script), "--epochs=2")
-    _check_probe_run(result.value, probe_script, 2, config)
+    _check_probe_run(result.value, probe_script, config)
     rank1 = _probe_records(result.outputs[1])
     assert [r["rank"] for r in rank1] == ["1"]
     assert rank1[0]["config_path"] != _probe_records(result.value)[0]["config_path"]
@@ -242,7 +248,7 @@ def test_barrier_run_writes_the_config_where_each_rank_runs(
     )
     result = d.launch(str(probe_script), "--epochs=2")
     assert result.mode == "barrier"
-    _check_probe_run(result.value, probe_script, 2, config)
+    _check_probe_run(result.value, probe_script, config)
     assert config_file.exists()  # the user's own file is only read
 
 
@@ -250,21 +256,30 @@ def test_script_exit_code_fails_the_run(probe_script: Path) -> None:
     d = DeepspeedTorchDistributor(numGpus=2, useGpu=False, deepspeedConfig={"a": 1})
     with pytest.raises(TrainingFailedError) as caught:
         d.run(str(probe_script), "--fail")
-    assert caught.value.first_failure.exit_code == 3
+    first = caught.value.first_failure
+    assert first is not None and first.exit_code == 3
 
 
 # -- DeepSpeed itself (needs the deepspeed package) -------------------------------------------
-@pytest.mark.slow
-@pytest.mark.skipif(
+needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
     reason="deepspeed is not installed (kept out of the default environment; see the README)",
 )
-def test_real_deepspeed_zero1_on_cpu() -> None:
+
+
+@pytest.mark.slow
+@needs_deepspeed
+@pytest.mark.parametrize("local_mode", [True, False], ids=["local", "barrier"])
+def test_real_deepspeed_zero1_on_cpu(local_mode: bool, request: pytest.FixtureRequest) -> None:
     sys.path.insert(0, str(ROOT / "examples"))
     import deepspeed_train
 
     d = DeepspeedTorchDistributor(
-        numGpus=2, localMode=True, useGpu=False, deepspeedConfig=deepspeed_train.default_config()
+        numGpus=2,
+        localMode=local_mode,
+        useGpu=False,
+        deepspeedConfig=deepspeed_train.default_config(),
+        spark=None if local_mode else request.getfixturevalue("spark"),
     )
     result = d.launch(str(EXAMPLE), "--epochs=3")
     last = result.value.strip().splitlines()[-1]

@@ -53,7 +53,9 @@ import lightning_digits  # noqa: E402
         ({"PATH": "/bin"}, {"devices": 1, "num_nodes": 1}),
     ],
 )
-def test_trainer_kwargs_follow_torchrun_layout(env: dict[str, str], expected: dict[str, int]) -> None:
+def test_trainer_kwargs_follow_torchrun_layout(
+    env: dict[str, str], expected: dict[str, int]
+) -> None:
     assert lightning_trainer_kwargs(env) == expected
 
 
@@ -117,10 +119,11 @@ def test_wrong_layout_fails_fast_with_lightnings_error() -> None:
     started = time.monotonic()
     with pytest.raises(TrainingFailedError) as caught:
         TorchDistributor(num_processes=2, local_mode=True, use_gpu=False, timeout=300).run(
-            lightning_digits.train, epochs=1, trainer_kwargs={"devices": 3, "num_nodes": 1}
+            lightning_digits.train, epochs=1, layout={"devices": 3, "num_nodes": 1}
         )
     assert time.monotonic() - started < 120
     first = caught.value.first_failure
+    assert first is not None
     assert "ValueError" in first.reason
     assert "does not match the world size (2)" in first.output_tail
     assert "(3 * 1)" in first.output_tail

@@ -189,7 +189,8 @@ def test_task_timeout_stops_the_training(call: str, tmp_path: Path) -> None:
         ({"artifact_key": "Not_Valid"}, "artifact_key"),
         ({"train": 42}, "train"),
         ({"train": "no/such/train_script.py"}, "train"),
-        ({"master": "nonsense://x", "local_mode": False}, "master"),
+        ({"spark_master": "nonsense://x", "local_mode": False}, "spark_master"),
+        ({"spark_conf": {"spark.executor.cores": [2]}, "local_mode": False}, "spark_conf"),
         ({"num_processes": 0}, "num_processes"),
     ],
 )

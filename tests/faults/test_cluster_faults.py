@@ -1,0 +1,88 @@
+"""Kill paths on the real standalone cluster: nothing of the run may survive on the workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.cluster import Cluster
+from tests.support.driver import run_driver
+
+pytestmark = pytest.mark.cluster
+
+PROGRAM = """
+import os, signal, threading, time
+from pathlib import Path
+import psutil
+from pyspark.sql import SparkSession
+from sparktorch_ops import TorchDistributor
+from sparktorch_ops.planning import RUN_ID_ENV
+from tests.faults.training import long_training, fail_after_ready
+from tests.support.procs import wait_until_gone
+
+spark = (SparkSession.builder.master({master!r}).config("spark.driver.host", "127.0.0.1")
+         .config("spark.executor.memory", "1g").getOrCreate())
+spark.sparkContext.setLogLevel("ERROR")
+
+def scenario(name, fn, kill):
+    ready = Path({tmp!r}) / name
+    ready.mkdir()
+    d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark, start_timeout=120)
+    outcome = {{}}
+    def go():
+        try:
+            outcome["value"] = d.run(fn, str(ready), *([] if fn is long_training else ["raise"]))
+        except BaseException as exc:
+            outcome["error"] = type(exc).__name__
+            outcome["message"] = str(exc)[:500]
+    thread = threading.Thread(target=go)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not all((ready / f"rank{{r}}.pid").exists() for r in (0, 1)):
+        assert time.monotonic() < deadline, "ranks never started"
+        time.sleep(0.1)
+    pids = {{r: int((ready / f"rank{{r}}.pid").read_text()) for r in (0, 1)}}
+    run_id = psutil.Process(pids[0]).environ()[RUN_ID_ENV]
+    started = time.monotonic()
+    kill(d, pids)
+    thread.join(180)
+    outcome["ended"] = not thread.is_alive()
+    outcome["seconds"] = time.monotonic() - started
+    outcome["left"] = [" ".join(p.cmdline())[:200] for p in wait_until_gone(run_id, timeout=30)]
+    return outcome
+
+def ancestor(pid, text):
+    return next(p for p in psutil.Process(pid).parents() if text in " ".join(p.cmdline()))
+
+out = {{}}
+out["raise"] = scenario("raise", fail_after_ready, lambda d, pids: None)
+out["rank_kill"] = scenario("rank_kill", long_training, lambda d, pids: os.kill(pids[1], signal.SIGKILL))
+out["agent_kill"] = scenario("agent_kill", long_training,
+                             lambda d, pids: ancestor(pids[0], "sparktorch_ops.agent").kill())
+out["cancel"] = scenario("cancel", long_training, lambda d, pids: d.cancel())
+out["executor_kill"] = scenario("executor_kill", long_training,
+                                lambda d, pids: ancestor(pids[1], "CoarseGrainedExecutorBackend").kill())
+emit(out)
+"""
+
+
+def test_kill_paths_on_the_standalone_cluster(standalone_cluster: Cluster, tmp_path: Path) -> None:
+    result, output = run_driver(
+        tmp_path,
+        PROGRAM.format(master=standalone_cluster.master_url, tmp=str(tmp_path)),
+        timeout=900,
+    )
+    expected = {
+        "raise": "TrainingFailedError",
+        "rank_kill": "TrainingFailedError",
+        "agent_kill": "TrainingFailedError",
+        "cancel": "TrainingCancelledError",
+        "executor_kill": "TrainingFailedError",
+    }
+    for name, error in expected.items():
+        case = result[name]
+        assert case["ended"], (name, output[-4000:])
+        assert case.get("error") == error, (name, case)
+        assert case["left"] == [], (name, case["left"])
+    assert "rank 1 raised on purpose" in result["raise"]["message"]
