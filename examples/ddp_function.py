@@ -16,9 +16,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ddp_train import train  # noqa: E402
+from ddp_train import train
 
-from sparktorch_ops import TorchDistributor  # noqa: E402
+from sparktorch_ops import TorchDistributor
 
 
 def main() -> None:
@@ -43,7 +43,9 @@ def main() -> None:
     result = distributor.launch(train, epochs=args.epochs)
     value = result.value
     print(f"losses: {[round(x, 4) for x in value['losses']]}")
-    print(f"test accuracy: {value['test_accuracy']:.3f}; took {result.duration.total_seconds():.1f} s")
+    print(
+        f"test accuracy: {value['test_accuracy']:.3f}; took {result.duration.total_seconds():.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,10 @@ def load_digits(seed: int = 0, data_path: str | None = None) -> dict[str, torch.
         labels = digits.target[order].astype("int64")
         split = int(0.75 * len(labels))
         arrays = {
-            "x_train": images[:split], "y_train": labels[:split],
-            "x_test": images[split:], "y_test": labels[split:],
+            "x_train": images[:split],
+            "y_train": labels[:split],
+            "x_test": images[split:],
+            "y_test": labels[split:],
         }
     return {key: torch.from_numpy(value) for key, value in arrays.items()}
 
@@ -77,7 +79,9 @@ def train(
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu")
+    )
     dist.init_process_group("nccl" if use_cuda else "gloo")
     try:
         torch.manual_seed(seed)

@@ -18,7 +18,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ddp_train import DigitsCNN, load_digits  # noqa: E402
+from ddp_train import DigitsCNN, load_digits
 
 
 def prepare_data(registry: str, seed: int = 0) -> str:

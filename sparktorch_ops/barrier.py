@@ -72,7 +72,12 @@ class BarrierTask:
         first = json.loads(ctx.allGather(json.dumps({"port": port, "error": error}))[0])
         try:
             if first["error"]:
-                yield {"node": node, "host": hosts[node], "exit_code": None, "error": first["error"]}
+                yield {
+                    "node": node,
+                    "host": hosts[node],
+                    "exit_code": None,
+                    "error": first["error"],
+                }
                 return
             gpus = list(ctx.resources()["gpu"].addresses) if self.use_gpu else None
             endpoint = channel.join_address(hosts[0], int(first["port"]))

@@ -84,7 +84,7 @@ class ChannelHandler:
 
 
 class _Connection:
-    __slots__ = ("sock", "address", "buffer", "peer", "opened")
+    __slots__ = ("address", "buffer", "opened", "peer", "sock")
 
     def __init__(self, sock: socket.socket, address: str) -> None:
         self.sock = sock

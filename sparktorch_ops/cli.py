@@ -37,18 +37,36 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a training script under torchrun")
     run.add_argument("--num-processes", type=int, default=1, help="total ranks (default 1)")
     mode = run.add_mutually_exclusive_group()
-    mode.add_argument("--local-mode", dest="local_mode", action="store_true", default=None,
-                      help="run the ranks on this machine (the default without --master)")
-    mode.add_argument("--no-local-mode", dest="local_mode", action="store_false",
-                      help="run one rank per Spark barrier task")
+    mode.add_argument(
+        "--local-mode",
+        dest="local_mode",
+        action="store_true",
+        default=None,
+        help="run the ranks on this machine (the default without --master)",
+    )
+    mode.add_argument(
+        "--no-local-mode",
+        dest="local_mode",
+        action="store_false",
+        help="run one rank per Spark barrier task",
+    )
     run.add_argument("--use-gpu", action="store_true", help="give each rank a GPU")
     run.add_argument("--master", help="Spark master URL (implies --no-local-mode unless given)")
-    run.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
-                     help="Spark configuration, repeatable")
+    run.add_argument(
+        "--conf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Spark configuration, repeatable",
+    )
     run.add_argument("--max-restarts", type=int, default=0)
     run.add_argument("--timeout", type=float, default=None, help="seconds the run may take")
-    run.add_argument("--start-timeout", type=float, default=None,
-                     help="seconds to wait for slots, executors and the rendezvous")
+    run.add_argument(
+        "--start-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for slots, executors and the rendezvous",
+    )
     run.add_argument("script", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
     return parser
@@ -101,8 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: distributor.cancel())
         result = distributor.launch(args.script, *script_args)
-        logger.info("sparktorch-ops: %d ranks finished in %.1f s", result.num_processes,
-                    result.duration.total_seconds())
+        logger.info(
+            "sparktorch-ops: %d ranks finished in %.1f s",
+            result.num_processes,
+            result.duration.total_seconds(),
+        )
         return 0
     except ConfigError as exc:
         print(f"sparktorch-ops: {exc}", file=sys.stderr)

@@ -109,7 +109,9 @@ class RunCollector(channel.ChannelHandler):
         if kind in (channel.STDOUT, channel.STDERR):
             lines = payload.decode("utf-8", errors="replace").split("\n")
             if role == "node":
-                self._agent_lines(int(hello.get("node", 0)), str(hello.get("host", "")), kind, lines)
+                self._agent_lines(
+                    int(hello.get("node", 0)), str(hello.get("host", "")), kind, lines
+                )
             else:
                 self._rank_lines(int(hello["rank"]), kind, lines)
         elif kind == channel.METRIC:
@@ -202,8 +204,9 @@ class RunCollector(channel.ChannelHandler):
         """Rank 0's stdout (its tail, with a note, when it exceeded the cap)."""
         text = "\n".join(self._stdout) + ("\n" if self._stdout else "")
         if self.stdout_truncated:
-            note = f"[sparktorch_ops: earlier output dropped; the last {SCRIPT_OUTPUT_CAP} bytes follow]\n"
-            return note + text
+            # The note is part of the value on purpose: a caller must not mistake a tail for all.
+            note = f"[sparktorch_ops: output cut to its last {SCRIPT_OUTPUT_CAP} bytes]"
+            return f"{note}\n{text}"
         return text
 
     def _metric(self, rank: int, record: dict[str, Any]) -> None:

@@ -123,7 +123,9 @@ class TorchDistributor:
         """Whether each rank gets a GPU."""
         return self.spec.use_gpu
 
-    def run(self, train_object: Callable[..., Any] | str | os.PathLike[str], *args: Any, **kwargs: Any) -> Any:
+    def run(
+        self, train_object: Callable[..., Any] | str | os.PathLike[str], *args: Any, **kwargs: Any
+    ) -> Any:
         """Run ``train_object`` on every rank; return rank 0's result.
 
         Args:
@@ -143,7 +145,9 @@ class TorchDistributor:
         """
         return self.launch(train_object, *args, **kwargs).value
 
-    def launch(self, train_object: Callable[..., Any] | str | os.PathLike[str], *args: Any, **kwargs: Any) -> RunResult:
+    def launch(
+        self, train_object: Callable[..., Any] | str | os.PathLike[str], *args: Any, **kwargs: Any
+    ) -> RunResult:
         """Like :meth:`run`, but return the whole :class:`RunResult`."""
         payload = prepare(train_object, args, kwargs)
         session, gpus = self._resolve_resources()
@@ -184,7 +188,9 @@ class TorchDistributor:
 class _Run:
     """One launch: a helper thread drives it while the caller's thread waits in plain Python."""
 
-    def __init__(self, spec: LaunchSpec, payload: Payload, session: Any, gpus: list[str] | None) -> None:
+    def __init__(
+        self, spec: LaunchSpec, payload: Payload, session: Any, gpus: list[str] | None
+    ) -> None:
         self.spec = spec
         self.payload = payload
         self.session = session

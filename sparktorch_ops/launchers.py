@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import contextvars
 import os
+import shutil
 import socket
 import sys
 import tempfile
 import threading
-import shutil
 import time
 from typing import TYPE_CHECKING, Any
 

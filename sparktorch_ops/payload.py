@@ -19,7 +19,7 @@ from collections import ChainMap
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import cloudpickle
 
@@ -110,14 +110,16 @@ def _code_reduce_keeping_filename(code: types.CodeType) -> Any:
 
 
 class _Pickler(cloudpickle.Pickler):
-    dispatch_table = ChainMap(
+    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
         {types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table
     )
 
 
 def _installed_prefixes() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
-    prefixes = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    prefixes = {
+        paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths
+    }
     prefixes.update(p for p in sys.path if "site-packages" in p or "dist-packages" in p)
     return tuple(os.path.realpath(p) + os.sep for p in prefixes)
 

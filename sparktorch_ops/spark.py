@@ -51,7 +51,7 @@ def session_for_barrier(spark: Any) -> SparkSession:
     """The given session, else the active one, else a new one from the environment's config."""
     if spark is not None:
         refuse_connect(spark)
-        return spark  # type: ignore[no-any-return]
+        return spark
     session = active_session()
     if session is not None:
         return session
@@ -87,9 +87,7 @@ def task_gpu_amount(sc: SparkContext) -> float | None:
     try:
         return float(value)
     except ValueError:
-        raise ConfigError(
-            "spark.task.resource.gpu.amount", f"is not a number: {value!r}"
-        ) from None
+        raise ConfigError("spark.task.resource.gpu.amount", f"is not a number: {value!r}") from None
 
 
 def task_cpus(sc: SparkContext) -> int:
@@ -110,7 +108,9 @@ def check_barrier_conf(sc: SparkContext, *, allow_unencrypted_channel: bool) -> 
             "true (Spark forbids barrier stages then); disable dynamic allocation for this "
             "application or use local_mode=True",
         )
-    encrypted = [k for k in ("spark.ssl.enabled", "spark.network.crypto.enabled") if conf_true(sc, k)]
+    encrypted = [
+        k for k in ("spark.ssl.enabled", "spark.network.crypto.enabled") if conf_true(sc, k)
+    ]
     if encrypted and not allow_unencrypted_channel:
         raise ConfigError(
             "allow_unencrypted_channel",
@@ -122,7 +122,7 @@ def check_barrier_conf(sc: SparkContext, *, allow_unencrypted_channel: bool) -> 
 
 def available_slots(sc: SparkContext) -> int:
     """How many tasks of the default resource profile the cluster can run at once, now."""
-    jsc = sc._jsc.sc()  # type: ignore[union-attr]
+    jsc = sc._jsc.sc()
     profile = jsc.resourceProfileManager().defaultResourceProfile()
     return int(jsc.maxNumConcurrentTasks(profile))
 
@@ -151,8 +151,7 @@ def wait_for_slots(
             raise StartTimeoutError(
                 "start_timeout",
                 start_timeout,
-                f"the run needs {required_tasks} barrier task slots but only {slots} "
-                "registered",
+                f"the run needs {required_tasks} barrier task slots but only {slots} registered",
             )
         time.sleep(0.5)
         slots = available_slots(sc)

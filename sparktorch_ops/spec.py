@@ -144,7 +144,9 @@ def _check_log_ranks(log_ranks: Iterable[int] | None) -> frozenset[int] | None:
     try:
         ranks = frozenset(log_ranks)
     except TypeError:
-        raise ConfigError("log_ranks", f"must be a collection of ranks, got {log_ranks!r}") from None
+        raise ConfigError(
+            "log_ranks", f"must be a collection of ranks, got {log_ranks!r}"
+        ) from None
     for rank in ranks:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ConfigError("log_ranks", f"ranks must be ints >= 0, got {rank!r}")

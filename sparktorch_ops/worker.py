@@ -73,13 +73,11 @@ def run_payload(record: dict[str, Any], client: channel.ChannelClient, rank: int
 def main() -> int:
     """Entry point of ``python -m sparktorch_ops.worker``."""
     hello = _hello()
-    client = channel.ChannelClient.connect(
-        os.environ[CHANNEL_ENV], os.environ[TOKEN_ENV], hello
-    )
+    client = channel.ChannelClient.connect(os.environ[CHANNEL_ENV], os.environ[TOKEN_ENV], hello)
     reporting.install(client)
     try:
         code = run_payload(read_rank_payload(os.environ[PAYLOAD_ENV]), client, hello["rank"])
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the driver
+    except BaseException as exc:
         text = traceback.format_exc()
         sys.stdout.flush()
         sys.stderr.write(text)

@@ -41,7 +41,9 @@ def spark() -> Iterator[object]:
 
 
 @pytest.fixture(scope="session")
-def standalone_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster_support.Cluster]:
+def standalone_cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[cluster_support.Cluster]:
     """A Spark standalone master and 2 workers (1 core each) on 127.0.0.1, free ports."""
     with cluster_support.start_cluster(tmp_path_factory.mktemp("spark-cluster"), workers=2) as c:
         yield c

@@ -82,7 +82,7 @@ def test_megabyte_line_invalid_bytes_and_progress_bars(collected: Any) -> None:
     bodies = [m.split("] ", 1)[1] for m in messages]
     assert "x" * (1 << 20) in bodies
     assert "before \ufffd\ufffd after" in bodies
-    bars = [b for b in bodies if "200/200" in b or "it/s" in b or "|" in b and "%" in b]
+    bars = [b for b in bodies if "200/200" in b or "it/s" in b or ("|" in b and "%" in b)]
     assert any("100%" in b and "200/200" in b for b in bars)
     assert len(bars) <= 5, f"progress redraws were not collapsed: {len(bars)} records"
     assert bodies[-1] == "done" or "done" in bodies
@@ -93,7 +93,9 @@ def test_log_ranks_limits_forwarding(collected: Any) -> None:
     result = TorchDistributor(
         num_processes=2, local_mode=True, use_gpu=False, logger=logger, log_ranks=[1]
     ).launch(many_lines, 3)
-    forwarded = {r.getMessage().split("|")[0] for r in handler.records if r.getMessage().startswith("[rank")}
+    forwarded = {
+        r.getMessage().split("|")[0] for r in handler.records if r.getMessage().startswith("[rank")
+    }
     assert forwarded == {"[rank 1"}
     assert "r0 line 2" in result.outputs[0]  # kept, just not forwarded
 

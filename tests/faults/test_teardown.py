@@ -36,7 +36,9 @@ class Run:
         self.thread = threading.Thread(target=self._go, args=(distributor, fn, args), daemon=True)
         self.thread.start()
 
-    def _go(self, distributor: TorchDistributor, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def _go(
+        self, distributor: TorchDistributor, fn: Callable[..., Any], args: tuple[Any, ...]
+    ) -> None:
         try:
             self.outcome = distributor.run(fn, *args)
         except BaseException as exc:
@@ -50,8 +52,11 @@ class Run:
 
 def distributor(mode: str, spark: Any, **options: Any) -> TorchDistributor:
     return TorchDistributor(
-        num_processes=2, local_mode=mode == "local", use_gpu=False,
-        spark=spark if mode == "barrier" else None, **options,
+        num_processes=2,
+        local_mode=mode == "local",
+        use_gpu=False,
+        spark=spark if mode == "barrier" else None,
+        **options,
     )
 
 
@@ -80,7 +85,9 @@ def mode(request: pytest.FixtureRequest, spark: Any) -> str:
 
 
 @pytest.mark.parametrize("how", ["raise", "exit3"])
-def test_failing_rank_tears_down_the_others(mode: str, spark: Any, tmp_path: Path, how: str) -> None:
+def test_failing_rank_tears_down_the_others(
+    mode: str, spark: Any, tmp_path: Path, how: str
+) -> None:
     run = Run(distributor(mode, spark), fail_after_ready, str(tmp_path), how)
     pids = wait_ready(tmp_path)
     run_id = run_id_of(pids[0])
@@ -113,7 +120,9 @@ def test_torchrun_agent_sigkilled(mode: str, spark: Any, tmp_path: Path) -> None
     pids = wait_ready(tmp_path)
     run_id = run_id_of(pids[0])
     agents = [
-        p for p in psutil.Process(pids[0]).parents() if "sparktorch_ops.agent" in " ".join(p.cmdline())
+        p
+        for p in psutil.Process(pids[0]).parents()
+        if "sparktorch_ops.agent" in " ".join(p.cmdline())
     ]
     assert agents, "no agent above rank 0"
     agents[0].kill()

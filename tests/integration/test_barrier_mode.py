@@ -11,8 +11,16 @@ import pytest
 
 from sparktorch_ops import ConfigError, ResourceError, TorchDistributor, TrainingFailedError
 
-ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "OMP_NUM_THREADS", "GROUP_RANK")
+ENV_KEYS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+    "GROUP_RANK",
+)
 
 
 def gather_env(tag: str, *, delay_rank: int = 1) -> dict[str, Any]:
@@ -70,7 +78,9 @@ def test_rank_exiting_3_fails_fast_even_though_rank0_succeeds(spark: Any) -> Non
 
 def test_too_few_slots_fail_before_launch_within_seconds(spark: Any) -> None:
     started = time.monotonic()
-    with pytest.raises(ResourceError, match="needs 3 barrier task slots at once but the cluster has 2") as info:
+    with pytest.raises(
+        ResourceError, match="needs 3 barrier task slots at once but the cluster has 2"
+    ) as info:
         TorchDistributor(num_processes=3, local_mode=False, use_gpu=False, spark=spark).run(print)
     assert info.value.argument == "num_processes"
     assert time.monotonic() - started < 30
@@ -87,7 +97,9 @@ def test_spark_connect_session_is_refused() -> None:
 
     FakeConnectSession.__module__ = "pyspark.sql.connect.session"
     with pytest.raises(ConfigError, match="Spark Connect") as info:
-        TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=FakeConnectSession())
+        TorchDistributor(
+            num_processes=2, local_mode=False, use_gpu=False, spark=FakeConnectSession()
+        )
     assert info.value.argument == "spark"
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -25,7 +24,9 @@ spark.sparkContext.setLogLevel("ERROR")
 """
 
 
-def test_code_shipping_on_the_standalone_cluster(standalone_cluster: Cluster, tmp_path: Path) -> None:
+def test_code_shipping_on_the_standalone_cluster(
+    standalone_cluster: Cluster, tmp_path: Path
+) -> None:
     (tmp_path / "userlib").mkdir()
     (tmp_path / "userlib" / "helpers.py").write_text(
         "import os\n"
@@ -141,7 +142,9 @@ def test_gpu_assignment_with_fake_discovery_scripts(tmp_path: Path) -> None:
     worker_script = tmp_path / "worker_gpus.sh"
     worker_script.write_text('#!/bin/bash\necho \'{"name": "gpu", "addresses": ["0", "1"]}\'\n')
     driver_script = tmp_path / "driver_gpus.sh"
-    driver_script.write_text('#!/bin/bash\necho \'{"name": "gpu", "addresses": ["5", "6", "7"]}\'\n')
+    driver_script.write_text(
+        '#!/bin/bash\necho \'{"name": "gpu", "addresses": ["5", "6", "7"]}\'\n'
+    )
     for script in (worker_script, driver_script):
         script.chmod(0o755)
     result, output = run_driver(
@@ -185,6 +188,9 @@ emit(out)
     assert {r["CUDA_VISIBLE_DEVICES"] for r in barrier} == {"0,1"}
     assert sorted(r["GROUP_RANK"] for r in barrier) == ["0", "0", "1", "1"]
     local = result["local"]
-    assert [(r["LOCAL_RANK"], r["CUDA_VISIBLE_DEVICES"]) for r in local] == [("0", "5,6"), ("1", "5,6")]
+    assert [(r["LOCAL_RANK"], r["CUDA_VISIBLE_DEVICES"]) for r in local] == [
+        ("0", "5,6"),
+        ("1", "5,6"),
+    ]
     assert result["too_many"][0] == "ResourceError"
     assert "num_processes" in result["too_many"][1]

@@ -14,8 +14,15 @@ import pytest
 from sparktorch_ops import ConfigError, TorchDistributor, TrainingFailedError, report
 from tests.support.driver import run_driver
 
-ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "OMP_NUM_THREADS")
+ENV_KEYS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+)
 
 
 def gather_env(tag: str, bad_bytes: bool = False) -> dict[str, Any]:
@@ -62,13 +69,21 @@ def test_env_contract_rank0_value_logs_and_metrics(caplog: pytest.LogCaptureFixt
     assert result.duration.total_seconds() > 0
 
     records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "test.local.logs"]
-    assert any(lvl == logging.INFO and msg.startswith("[rank 0|") and msg.endswith("hello from rank 0") for lvl, msg in records)
-    assert any(lvl == logging.WARNING and msg.endswith("to stderr from rank 1") for lvl, msg in records)
+    assert any(
+        lvl == logging.INFO and msg.startswith("[rank 0|") and msg.endswith("hello from rank 0")
+        for lvl, msg in records
+    )
+    assert any(
+        lvl == logging.WARNING and msg.endswith("to stderr from rank 1") for lvl, msg in records
+    )
     assert any(msg.endswith("bad bytes \ufffd\ufffd here") for _, msg in records)
     assert "hello from rank 1" in result.outputs[1]
 
     assert sorted((m.rank, m.step, m.values["loss"]) for m in result.metrics) == [
-        (0, 0, 1.5), (0, 1, 0.5), (1, 0, 1.5), (1, 1, 0.5)
+        (0, 0, 1.5),
+        (0, 1, 0.5),
+        (1, 0, 1.5),
+        (1, 1, 0.5),
     ]
     assert len(seen) == 4 and result.progress == 1.0
 

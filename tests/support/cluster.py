@@ -102,17 +102,30 @@ def start_cluster(workdir: Path, workers: int = 2, cores: int = 1) -> Iterator[C
             "master",
             [
                 "org.apache.spark.deploy.master.Master",
-                "--host", "127.0.0.1", "--port", str(port), "--webui-port", str(ui_port),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--webui-port",
+                str(ui_port),
             ],
         )
         for index in range(workers):
             spawn(
                 f"worker{index}",
                 [
-                    "org.apache.spark.deploy.worker.Worker", master_url,
-                    "--host", "127.0.0.1", "--cores", str(cores), "--memory", "2g",
-                    "--webui-port", str(free_port()),
-                    "--work-dir", str(workdir / f"work{index}"),
+                    "org.apache.spark.deploy.worker.Worker",
+                    master_url,
+                    "--host",
+                    "127.0.0.1",
+                    "--cores",
+                    str(cores),
+                    "--memory",
+                    "2g",
+                    "--webui-port",
+                    str(free_port()),
+                    "--work-dir",
+                    str(workdir / f"work{index}"),
                 ],
             )
         web_ui = f"http://127.0.0.1:{ui_port}"

@@ -25,8 +25,7 @@ def run_driver(
         "import json, sys\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
         "def emit(obj):\n"
-        f"    print({RESULT_PREFIX!r} + json.dumps(obj), flush=True)\n"
-        + textwrap.dedent(code)
+        f"    print({RESULT_PREFIX!r} + json.dumps(obj), flush=True)\n" + textwrap.dedent(code)
     )
     full_env = cluster_env()
     full_env.update(env or {})
@@ -42,8 +41,10 @@ def run_driver(
     output = proc.stdout + proc.stderr
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):]), output
-    raise AssertionError(f"driver program exited {proc.returncode} without a result:\n{output[-6000:]}")
+            return json.loads(line[len(RESULT_PREFIX) :]), output
+    raise AssertionError(
+        f"driver program exited {proc.returncode} without a result:\n{output[-6000:]}"
+    )
 
 
 def pythonpath_env() -> dict[str, str]:

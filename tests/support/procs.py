@@ -15,7 +15,11 @@ def processes_with_marker(run_id: str | None = None) -> list[psutil.Process]:
     for proc in psutil.process_iter():
         try:
             value = proc.environ().get(RUN_ID_ENV)
-            if value is not None and (run_id is None or value == run_id) and proc.status() != psutil.STATUS_ZOMBIE:
+            if (
+                value is not None
+                and (run_id is None or value == run_id)
+                and proc.status() != psutil.STATUS_ZOMBIE
+            ):
                 found.append(proc)
         except psutil.Error:
             continue

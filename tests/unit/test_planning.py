@@ -125,24 +125,39 @@ def test_barrier_layout_rejects_missing_fractional_and_uneven_gpu_amounts() -> N
 
 def test_local_gpus_prefer_spark_then_cuda_visible_devices_then_machine() -> None:
     select = planning.select_local_gpus
-    assert select(2, spark_driver_gpus=["5", "6", "7"], cuda_visible_devices="0,1", device_count=8) == ["5", "6"]
-    assert select(2, spark_driver_gpus=None, cuda_visible_devices="3, 1,2", device_count=8) == ["3", "1"]
-    assert select(3, spark_driver_gpus=None, cuda_visible_devices=None, device_count=4) == ["0", "1", "2"]
+    assert select(
+        2, spark_driver_gpus=["5", "6", "7"], cuda_visible_devices="0,1", device_count=8
+    ) == ["5", "6"]
+    assert select(2, spark_driver_gpus=None, cuda_visible_devices="3, 1,2", device_count=8) == [
+        "3",
+        "1",
+    ]
+    assert select(3, spark_driver_gpus=None, cuda_visible_devices=None, device_count=4) == [
+        "0",
+        "1",
+        "2",
+    ]
     assert select(1, spark_driver_gpus=None, cuda_visible_devices="", device_count=1) == ["0"]
 
 
 def test_local_gpus_errors_say_what_to_do() -> None:
     with pytest.raises(ResourceError, match="use_gpu=False") as info:
-        planning.select_local_gpus(1, spark_driver_gpus=None, cuda_visible_devices=None, device_count=0)
+        planning.select_local_gpus(
+            1, spark_driver_gpus=None, cuda_visible_devices=None, device_count=0
+        )
     assert info.value.argument == "use_gpu"
     with pytest.raises(ResourceError, match="need 3 GPUs but CUDA_VISIBLE_DEVICES has 2") as info:
-        planning.select_local_gpus(3, spark_driver_gpus=None, cuda_visible_devices="0,1", device_count=8)
+        planning.select_local_gpus(
+            3, spark_driver_gpus=None, cuda_visible_devices="0,1", device_count=8
+        )
     assert info.value.argument == "num_processes"
 
 
 def test_slot_check() -> None:
     planning.check_slots(2, 2, waited=False)
-    with pytest.raises(ResourceError, match="needs 6 barrier task slots at once but the cluster has 2") as info:
+    with pytest.raises(
+        ResourceError, match="needs 6 barrier task slots at once but the cluster has 2"
+    ) as info:
         planning.check_slots(6, 2, waited=False)
     assert "start_timeout" in str(info.value)
     assert info.value.argument == "num_processes"

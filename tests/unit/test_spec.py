@@ -47,7 +47,11 @@ def test_bad_options_raise_config_error_naming_the_argument(kwargs: dict, argume
 
 def test_defaults_match_pyspark() -> None:
     distributor = TorchDistributor()
-    assert (distributor.num_processes, distributor.local_mode, distributor.use_gpu) == (1, True, True)
+    assert (distributor.num_processes, distributor.local_mode, distributor.use_gpu) == (
+        1,
+        True,
+        True,
+    )
 
 
 def test_timeouts_accept_timedelta_and_numbers() -> None:
@@ -57,7 +61,9 @@ def test_timeouts_accept_timedelta_and_numbers() -> None:
 
 
 def test_spec_normalises_collections() -> None:
-    spec = LaunchSpec(log_ranks=[0, 2], torchrun_args=["--monitor-interval=1"], logger=logging.getLogger("x"))
+    spec = LaunchSpec(
+        log_ranks=[0, 2], torchrun_args=["--monitor-interval=1"], logger=logging.getLogger("x")
+    )
     assert spec.log_ranks == frozenset({0, 2})
     assert spec.torchrun_args == ("--monitor-interval=1",)
 
