@@ -206,3 +206,17 @@ def test_local_mode_runs_where_pyspark_cannot_be_imported(tmp_path: Path) -> Non
         """,
     )
     assert result == {"value": 2, "jvm": False}, output
+
+
+def fail_on_first_attempt() -> int:
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if attempt == 0 and os.environ["RANK"] == "1":
+        raise RuntimeError("transient failure on the first attempt")
+    return attempt
+
+
+def test_max_restarts_lets_torchrun_restart_the_worker_group() -> None:
+    distributor = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False, max_restarts=1)
+    assert distributor.run(fail_on_first_attempt) == 1
+    with pytest.raises(TrainingFailedError, match="transient failure"):
+        TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(fail_on_first_attempt)
