@@ -177,7 +177,11 @@ class RunCollector(channel.ChannelHandler):
 
     def _agent_lines(self, node: int, host: str, kind: int, lines: list[str]) -> None:
         self.agent_tail.extend(lines)
-        level = logging.INFO if kind == channel.STDOUT else logging.WARNING
+        if self.tearing_down:
+            # torchrun's own traceback about the signal we sent it is noise, not news.
+            level = logging.DEBUG
+        else:
+            level = logging.INFO if kind == channel.STDOUT else logging.WARNING
         prefix = f"[torchrun node {node}|{host}]"
         for line in lines:
             self._log.log(level, "%s %s", prefix, line)

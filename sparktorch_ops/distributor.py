@@ -294,6 +294,7 @@ class _Run:
             value = self._value(collector)
         except BaseException:
             if launcher is not None:
+                collector.tearing_down = True
                 launcher.teardown()
                 server.drain(lambda: not collector.open_peers, _COLLATERAL_S)
             raise

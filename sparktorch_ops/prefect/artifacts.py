@@ -12,6 +12,7 @@ a slow API never holds up the ranks' log lines.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 import re
@@ -166,12 +167,22 @@ class RunSummary:
         return "\n".join(lines) + "\n"
 
 
-def describe_error(exc: BaseException) -> tuple[str, str]:
-    """``(status, message)`` for the summary of a run that raised ``exc``."""
+def describe_error(exc: BaseException, timeout_seconds: float | None = None) -> tuple[str, str]:
+    """``(status, message)`` for the summary of a run that raised ``exc``.
+
+    Args:
+        exc: what the launch raised.
+        timeout_seconds: the task's Prefect timeout: it arrives as a cancellation.
+    """
     if isinstance(exc, TrainingFailedError):
         return "failed", str(exc)
     if isinstance(exc, TimeoutError):
         return "timed out", f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, asyncio.CancelledError) and timeout_seconds is not None:
+        return "timed out", (
+            f"the task ran past its timeout_seconds={timeout_seconds:g}; the training was "
+            "stopped and every process of the run ended"
+        )
     if not isinstance(exc, Exception):
         return "cancelled", f"{type(exc).__name__}: {exc}"
     return "failed", f"{type(exc).__name__}: {exc}"
@@ -245,6 +256,10 @@ class RunArtifacts:
             "progress", lambda: update_progress_artifact(artifact_id=artifact_id, progress=percent)
         )
         self._sent = percent
+
+    def close(self) -> None:
+        """Stop the publisher thread without writing anything more."""
+        self._stop.set()
 
     def finish(
         self,

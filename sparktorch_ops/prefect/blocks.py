@@ -192,13 +192,15 @@ def spark_session(
     builder = SparkSession.builder.appName(app_name)
     if master is not None:
         builder = builder.master(master)
+    # Spark's console progress bar would go to the flow run's raw stderr, not the task log.
+    conf = {"spark.ui.showConsoleProgress": "false", **conf}
     for key, value in conf.items():
         builder = builder.config(key, value)
     try:
         session = builder.getOrCreate()
     except Exception as exc:
         raise ConfigError(
-            "master",
+            "spark_master",
             f"could not start a Spark session (master {master!r}): {type(exc).__name__}: "
             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
         ) from exc

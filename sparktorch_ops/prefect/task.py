@@ -14,6 +14,7 @@ outright, the ranks die with it (parent-death signal and channel watchdog in the
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +39,6 @@ from sparktorch_ops.prefect.artifacts import (
     key_from_name,
 )
 from sparktorch_ops.prefect.blocks import (
-    HISTORY_SERVER_CONF,
     SparkCluster,
     spark_session,
     validate_conf,
@@ -86,12 +86,13 @@ class _SparkTarget:
     master: str | None
     conf: dict[str, str]
     app_name: str
-    history: bool
 
 
 def _check_train(
     train: object, train_args: object, train_kwargs: object
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if train_args is None:
+        train_args = ()
     if isinstance(train_args, (str, bytes)) or not isinstance(train_args, Sequence):
         raise ConfigError(
             "train_args", f"must be a list or tuple of arguments, got {train_args!r}"
@@ -125,11 +126,12 @@ def _check_train(
 def _spark_target(
     master: str | None, conf: Mapping[str, Any] | None, cluster: SparkCluster | str | None
 ) -> _SparkTarget | None:
-    checked_conf = validate_conf(conf, "conf")
+    checked_conf = validate_conf(conf, "spark_conf")
     if cluster is not None:
         if master is not None:
             raise ConfigError(
-                "master", "give either master or cluster (a SparkCluster block), not both"
+                "spark_master",
+                "give either spark_master or cluster (a SparkCluster block), not both",
             )
         if isinstance(cluster, str):
             try:
@@ -144,17 +146,11 @@ def _spark_target(
                 "cluster", f"must be a SparkCluster block or its name, got {cluster!r}"
             )
         merged = {**cluster.spark_conf(), **checked_conf}
-        return _SparkTarget(
-            cluster.master, merged, cluster.app_name, _has_history(merged)
-        )
+        return _SparkTarget(cluster.master, merged, cluster.app_name)
     if master is None and not checked_conf:
         return None
-    checked_master = validate_master(master, "master") if master is not None else None
-    return _SparkTarget(checked_master, checked_conf, "sparktorch-ops", _has_history(checked_conf))
-
-
-def _has_history(conf: Mapping[str, str]) -> bool:
-    return bool(conf.get(HISTORY_SERVER_CONF) or conf.get("spark.yarn.historyServer.address"))
+    checked_master = validate_master(master, "spark_master") if master is not None else None
+    return _SparkTarget(checked_master, checked_conf, "sparktorch-ops")
 
 
 def _result_location(ctx: TaskRunContext | None, value: Any) -> str:
@@ -184,20 +180,20 @@ def _train_name(train: TrainObject) -> str:
 )
 def run_torch_distributor(
     train: TrainObject,
-    train_args: Sequence[Any] = (),
+    train_args: Sequence[Any] | None = None,
     train_kwargs: Mapping[str, Any] | None = None,
     *,
-    num_processes: int,
-    local_mode: bool,
-    use_gpu: bool,
-    master: str | None = None,
-    conf: Mapping[str, Any] | None = None,
+    num_processes: int = 1,
+    local_mode: bool = True,
+    use_gpu: bool = True,
+    spark_master: str | None = None,
+    spark_conf: Mapping[str, Any] | None = None,
     cluster: SparkCluster | str | None = None,
     env: Mapping[str, str] | None = None,
     max_restarts: int = 0,
     torchrun_args: Sequence[str] | None = None,
-    timeout: float | None = None,
-    start_timeout: float | None = None,
+    timeout: float | datetime.timedelta | None = None,
+    start_timeout: float | datetime.timedelta | None = None,
     log_ranks: Sequence[int] | None = None,
     artifact_key: str | None = None,
     artifacts: bool = True,
@@ -223,17 +219,19 @@ def run_torch_distributor(
         train_kwargs: the function's keyword arguments (not for scripts).
         num_processes: total number of ranks.
         local_mode: True runs the ranks on this machine (no Spark needed); False runs one rank
-            per Spark barrier task on ``master``/``cluster`` (or the active session).
-        use_gpu: give each rank its own GPU (``False`` trains on CPU).
-        master: the Spark master URL for barrier mode (see :class:`SparkCluster`).
-        conf: Spark conf for the session (applied over the cluster block's conf).
+            per Spark barrier task on ``spark_master``/``cluster`` (or the active session).
+        use_gpu: give each rank its own GPU (as pyspark's TorchDistributor, default True;
+            ``False`` trains on CPU).
+        spark_master: the Spark master URL for barrier mode (see :class:`SparkCluster`).
+        spark_conf: Spark conf for the session (applied over the cluster block's conf).
         cluster: a :class:`SparkCluster` block, or the name it was saved under.
         env: extra environment variables for every rank.
         max_restarts: torchrun's worker-group restarts within one run.
         torchrun_args: further torchrun options.
-        timeout: seconds the training may take (the core stops it; distinct from Prefect's
-            ``timeout_seconds``, which covers the whole task).
-        start_timeout: seconds to wait for slots, executors and the rendezvous.
+        timeout: seconds (or a timedelta) the training may take (the core stops it; distinct
+            from Prefect's ``timeout_seconds``, which covers the whole task).
+        start_timeout: seconds (or a timedelta) to wait for slots, executors and the
+            rendezvous.
         log_ranks: ranks whose output goes to the log (default: all).
         artifact_key: prefix of the artifact keys (lowercase letters, numbers, dashes);
             default: derived from the task name.
@@ -256,7 +254,7 @@ def run_torch_distributor(
         check_artifact_key(artifact_key) if artifact_key is not None else key_from_name(task_name)
     )
     args, kwargs = _check_train(train, train_args, train_kwargs)
-    target = _spark_target(master, conf, cluster)
+    target = _spark_target(spark_master, spark_conf, cluster)
     recorder = (
         RunArtifacts(
             prefix, logger, f"Training progress of {run_name} (rank 0's report(progress=...))"
@@ -279,8 +277,8 @@ def run_torch_distributor(
     )
     if local_mode and target is not None:
         logger.warning(
-            "master/conf/cluster are not used with local_mode=True (the ranks run on this "
-            "machine); pass local_mode=False to train on the Spark cluster"
+            "spark_master/spark_conf/cluster are not used with local_mode=True (the ranks run "
+            "on this machine); pass local_mode=False to train on the Spark cluster"
         )
     logger.info(
         "launching %s on %d processes in %s mode%s",
@@ -311,10 +309,16 @@ def run_torch_distributor(
             distributor.spark = session
         result = distributor.launch(train, *args, **kwargs)
     except BaseException as exc:
-        if session is not None:
-            app_id = session.sparkContext.applicationId
-            ui_url = spark_support.ui_url(session.sparkContext)
-        summary.status, summary.error = describe_error(exc)
+        used = session if session is not None or local_mode else spark_support.active_session()
+        if used is not None:
+            try:
+                app_id = used.sparkContext.applicationId
+                ui_url = spark_support.ui_url(used.sparkContext)
+            except Exception:  # a session that failed half-way: no link then
+                app_id = ui_url = None
+        summary.status, summary.error = describe_error(
+            exc, ctx.task.timeout_seconds if ctx is not None else None
+        )
         summary.duration_s = time.monotonic() - started
         summary.app_id, summary.ui_url = app_id, ui_url
         if recorder is not None:
@@ -327,8 +331,10 @@ def run_torch_distributor(
                     summary,
                     completed=False,
                     ui_url=ui_url,
-                    ui_description=_ui_description(ui_url, target, created),
+                    ui_description=_ui_description(ui_url, created),
                 )
+            else:
+                recorder.close()
         raise
     finally:
         if created and session is not None:
@@ -347,7 +353,7 @@ def run_torch_distributor(
             summary,
             completed=True,
             ui_url=result.ui_url,
-            ui_description=_ui_description(result.ui_url, target, created),
+            ui_description=_ui_description(result.ui_url, created),
         )
     logger.info(
         "%d processes finished in %.1f s; final metrics of rank 0: %s",
@@ -366,10 +372,10 @@ def _rank0_latest(recorder: RunArtifacts) -> dict[str, Any]:
     return merged
 
 
-def _ui_description(url: str | None, target: _SparkTarget | None, created: bool) -> str:
+def _ui_description(url: str | None, created: bool) -> str:
     if url is None:
         return ""
-    if target is not None and target.history:
+    if "/history/" in url:
         return "The Spark History Server page of the training's application."
     if created:
         return (

@@ -11,7 +11,12 @@ import pytest
 from prefect import flow
 
 from sparktorch_ops.errors import ConfigError
-from sparktorch_ops.prefect import SparkCluster, run_torch_distributor, validate_master
+from sparktorch_ops.prefect import (
+    TASK_RUN_RESULT_KEY,
+    SparkCluster,
+    run_torch_distributor,
+    validate_master,
+)
 from sparktorch_ops.prefect.artifacts import check_artifact_key, key_from_name, metrics_table
 from sparktorch_ops.results import MetricRecord
 from tests.prefect.conftest import flow_run_artifacts, flow_run_logs, run_ids, task_runs
@@ -283,6 +288,16 @@ def test_cluster_block_validates_its_master() -> None:
         SparkCluster(master="nonsense://x")
     cluster = SparkCluster(master="yarn", history_server_url="http://history:18080")
     assert cluster.spark_conf()["spark.sparktorch.historyServer.url"] == "http://history:18080"
+
+
+def test_result_key_depends_on_the_task_run_only() -> None:
+    import threading
+    from types import SimpleNamespace
+
+    ctx: Any = SimpleNamespace(task_run=SimpleNamespace(id="0123"))
+    unhashable_session = threading.Lock()  # stands for a SparkSession or a logger
+    key = TASK_RUN_RESULT_KEY.compute_key(ctx, {"spark": unhashable_session}, {})
+    assert key == "sparktorch-ops-0123"
 
 
 def test_artifact_keys() -> None:
