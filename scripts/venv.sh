@@ -6,7 +6,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SPARKTORCH_VENV:-$root/.venv}"
 python="${PYTHON:-python3.11}"
 stamp="$venv/.sparktorch-stamp"
-want="$(cat "$root/requirements/lock.txt" "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$root/requirements/lock.txt" "$root/requirements/no-deps.txt" "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 
 quiet_pip() {
   # pip.conf on some machines names local indexes that may be absent; those warnings are noise.
@@ -20,6 +20,12 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   echo "setting up $venv (pinned: requirements/lock.txt)..."
   quiet_pip install -q --upgrade pip
   quiet_pip install -q -r "$root/requirements/lock.txt"
+  quiet_pip install -q --no-deps -r "$root/requirements/no-deps.txt"
+  # Repair pyspark if an earlier environment let pyspark-client overwrite its files.
+  if ! "$venv/bin/python" -c 'import sys, pyspark.version as v; sys.exit(v.__version__ != "4.3.0")'; then
+    quiet_pip uninstall -q -y pyspark-client
+    quiet_pip install -q --force-reinstall --no-deps pyspark==4.3.0
+  fi
   quiet_pip install -q --no-deps -e "$root"
   echo "$want" > "$stamp"
 fi
