@@ -18,10 +18,12 @@ from sparktorch_ops.errors import (
     TrainingFailedError,
     TrainingTimeoutError,
 )
+from sparktorch_ops.lightning import lightning_trainer_kwargs
 from sparktorch_ops.reporting import report
 from sparktorch_ops.results import MetricRecord, RankFailure, RunResult
 
 if TYPE_CHECKING:
+    from sparktorch_ops.deepspeed import DeepspeedTorchDistributor
     from sparktorch_ops.distributor import TorchDistributor
 
 __version__ = "0.1.0"
@@ -29,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ChannelError",
     "ConfigError",
+    "DeepspeedTorchDistributor",
     "MetricRecord",
     "RankFailure",
     "ResourceError",
@@ -39,6 +42,7 @@ __all__ = [
     "TrainingCancelledError",
     "TrainingFailedError",
     "TrainingTimeoutError",
+    "lightning_trainer_kwargs",
     "report",
 ]
 
@@ -50,4 +54,8 @@ def __getattr__(name: str) -> Any:
         from sparktorch_ops.distributor import TorchDistributor
 
         return TorchDistributor
+    if name == "DeepspeedTorchDistributor":
+        from sparktorch_ops.deepspeed import DeepspeedTorchDistributor
+
+        return DeepspeedTorchDistributor
     raise AttributeError(f"module 'sparktorch_ops' has no attribute {name!r}")

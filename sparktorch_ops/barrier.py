@@ -26,6 +26,7 @@ from sparktorch_ops.payload import Payload, write_rank_payload
 from sparktorch_ops.planning import RUN_ID_ENV, agent_argv, agent_env
 from sparktorch_ops.process import AgentProcess, marked_processes, terminate_processes
 
+_STORE_HOLD_S = 60.0
 RETRIED_STAGE = "Spark retried the barrier stage after a failure; sparktorch_ops refuses retries"
 
 
@@ -81,16 +82,12 @@ class BarrierTask:
                 return
             gpus = list(ctx.resources()["gpu"].addresses) if self.use_gpu else None
             endpoint = channel.join_address(hosts[0], int(first["port"]))
-            code, driver_gone = self._run_agent(node, hosts[node], endpoint, gpus)
-            if not driver_gone:
-                ctx.barrier()  # task 0 keeps the store until every agent is done with it
+            code = self._run_agent(node, hosts[node], endpoint, gpus)
             yield {"node": node, "host": hosts[node], "exit_code": code, "error": None}
         finally:
             del store
 
-    def _run_agent(
-        self, node: int, host: str, endpoint: str, gpus: list[str] | None
-    ) -> tuple[int | None, bool]:
+    def _run_agent(self, node: int, host: str, endpoint: str, gpus: list[str] | None) -> int | None:
         workdir = tempfile.mkdtemp(prefix=f"{self.run_id}-node{node}-")
         client = channel.ChannelClient.connect(
             self.channel_address,
@@ -129,22 +126,27 @@ class BarrierTask:
                 on_stdout=_forward(client, channel.STDOUT),
                 on_stderr=_forward(client, channel.STDERR),
             )
+            # The driver closes the channel when the run is over or must stop.
             watcher = threading.Thread(target=client.wait_closed, daemon=True)
             watcher.start()
             while agent.poll() is None and watcher.is_alive():
                 time.sleep(0.1)
-            driver_gone = agent.poll() is None
-            if driver_gone:
+            if agent.poll() is None:
                 agent.terminate(grace=3.0)
                 terminate_processes(marked_processes(RUN_ID_ENV, self.run_id), grace=1.0)
+                return agent.poll()
             agent.finish_output()
             code = agent.poll()
-            if not driver_gone:
-                try:
-                    client.send_json(channel.EXIT, {"exit_code": code, "time": time.time()})
-                except channel.ChannelError:
-                    driver_gone = True
-            return code, driver_gone
+            try:
+                client.send_json(channel.EXIT, {"exit_code": code, "time": time.time()})
+            except channel.ChannelError:
+                return code
+            if node == 0:
+                # This task's process hosts the rendezvous store: keep it until the driver has
+                # heard from every agent (it then closes the channel), so no agent loses the
+                # store while it is still shutting down.
+                watcher.join(_STORE_HOLD_S)
+            return code
         finally:
             client.close()
             shutil.rmtree(workdir, ignore_errors=True)

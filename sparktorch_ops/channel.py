@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextvars
 import hmac
 import json
-import logging
 import selectors
 import socket
 import struct
@@ -38,8 +37,10 @@ FAILURE = 8
 
 _HEADER = struct.Struct("!BI")
 MAX_FRAME = 64 << 20
-RESULT_CHUNK_SIZE = 4 << 20
+RESULT_CHUNK_SIZE = 16 << 20
 _MAX_HELLO = 64 << 10
+_READ_SIZE = 256 << 10
+_SMALL_FRAME = 64 << 10
 _HELLO_DEADLINE_S = 15.0
 
 
@@ -76,20 +77,33 @@ class ChannelHandler:
     def on_hello(self, peer: Peer) -> None:
         """A client authenticated."""
 
-    def on_frame(self, peer: Peer, kind: int, payload: bytes) -> None:
-        """A frame arrived from an authenticated client."""
+    def on_frame(self, peer: Peer, kind: int, payload: bytes | bytearray) -> None:
+        """A frame arrived from an authenticated client (large ones come as bytearray)."""
 
     def on_closed(self, peer: Peer) -> None:
         """An authenticated client's connection ended (cleanly or not)."""
 
 
 class _Connection:
-    __slots__ = ("address", "buffer", "opened", "peer", "sock")
+    __slots__ = (
+        "address",
+        "buffer",
+        "frame",
+        "frame_filled",
+        "frame_kind",
+        "opened",
+        "peer",
+        "sock",
+    )
 
     def __init__(self, sock: socket.socket, address: str) -> None:
         self.sock = sock
         self.address = address
         self.buffer = bytearray()
+        # A large frame is received straight into its own buffer (no re-slicing of megabytes).
+        self.frame: bytearray | None = None
+        self.frame_kind = 0
+        self.frame_filled = 0
         self.peer: Peer | None = None
         self.opened = time.monotonic()
 
@@ -108,7 +122,7 @@ class ChannelServer:
         self,
         host: str,
         handler: ChannelHandler,
-        logger: logging.Logger | logging.LoggerAdapter[Any],
+        logger: Any,
         token: str,
     ) -> None:
         self._handler = handler
@@ -193,38 +207,60 @@ class ChannelServer:
         if conn is None:
             return
         try:
-            data = conn.sock.recv(1 << 20)
+            if conn.frame is not None:
+                received = conn.sock.recv_into(memoryview(conn.frame)[conn.frame_filled :])
+                data = b"" if received == 0 else None
+            else:
+                data = conn.sock.recv(_READ_SIZE)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
-        if not data:
+            data, received = b"", 0
+        if data is not None and not data:
             self._close(conn)
+            return
+        if data is None:
+            conn.frame_filled += received
+            if conn.frame is not None and conn.frame_filled == len(conn.frame):
+                frame, conn.frame = conn.frame, None
+                assert conn.peer is not None  # large frames are only taken after the HELLO
+                self._handler.on_frame(conn.peer, conn.frame_kind, frame)
             return
         conn.buffer += data
         self._parse(conn_id, conn)
 
     def _parse(self, conn_id: int, conn: _Connection) -> None:
         buffer = conn.buffer
+        view = memoryview(buffer)
         offset = 0
-        while len(buffer) - offset >= _HEADER.size:
-            kind, length = _HEADER.unpack_from(buffer, offset)
-            if conn.peer is None and (kind != HELLO or length > _MAX_HELLO):
-                self._reject(conn, "did not start with a valid HELLO")
-                return
-            if length > MAX_FRAME:
-                self._reject(conn, f"sent a frame of {length} bytes")
-                return
-            end = offset + _HEADER.size + length
-            if len(buffer) < end:
-                break
-            payload = bytes(buffer[offset + _HEADER.size : end])
-            offset = end
-            if conn.peer is None:
-                if not self._authenticate(conn_id, conn, payload):
+        try:
+            while len(buffer) - offset >= _HEADER.size:
+                kind, length = _HEADER.unpack_from(buffer, offset)
+                if conn.peer is None and (kind != HELLO or length > _MAX_HELLO):
+                    self._reject(conn, "did not start with a valid HELLO")
                     return
-            else:
-                self._handler.on_frame(conn.peer, kind, payload)
+                if length > MAX_FRAME:
+                    self._reject(conn, f"sent a frame of {length} bytes")
+                    return
+                start = offset + _HEADER.size
+                end = start + length
+                if len(buffer) < end:
+                    if length >= _READ_SIZE and conn.peer is not None:
+                        conn.frame = bytearray(length)
+                        conn.frame_kind = kind
+                        conn.frame_filled = len(buffer) - start
+                        conn.frame[: conn.frame_filled] = view[start:]
+                        offset = len(buffer)
+                    break
+                payload = bytes(view[start:end])
+                offset = end
+                if conn.peer is None:
+                    if not self._authenticate(conn_id, conn, payload):
+                        return
+                else:
+                    self._handler.on_frame(conn.peer, kind, payload)
+        finally:
+            view.release()
         if offset:
             del buffer[:offset]
 
@@ -298,16 +334,22 @@ class ChannelClient:
         client.send(HELLO, json.dumps({**hello, "token": token}).encode())
         return client
 
-    def send(self, kind: int, payload: bytes) -> None:
+    def send(self, kind: int, payload: bytes | memoryview) -> None:
         """Send one frame.
 
         Raises:
             ChannelError: the connection is gone.
         """
-        frame = encode_frame(kind, payload)
+        if len(payload) > MAX_FRAME:
+            raise ValueError(f"frame of {len(payload)} bytes exceeds {MAX_FRAME}")
+        header = _HEADER.pack(kind, len(payload))
         with self._lock:
             try:
-                self._sock.sendall(frame)
+                if len(payload) < _SMALL_FRAME:
+                    self._sock.sendall(header + bytes(payload))
+                else:  # no copy of a large payload just to prepend five bytes
+                    self._sock.sendall(header)
+                    self._sock.sendall(payload)
             except OSError as exc:
                 self.closed = True
                 raise ChannelError(f"lost the driver's channel: {exc}") from exc
@@ -320,7 +362,7 @@ class ChannelClient:
         """Send result bytes in chunks, then the end marker with the total size."""
         view = memoryview(data)
         for start in range(0, len(view), RESULT_CHUNK_SIZE):
-            self.send(RESULT_CHUNK, bytes(view[start : start + RESULT_CHUNK_SIZE]))
+            self.send(RESULT_CHUNK, view[start : start + RESULT_CHUNK_SIZE])
         self.send_json(RESULT_END, {"size": len(data)})
 
     def wait_closed(self) -> None:

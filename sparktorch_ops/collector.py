@@ -52,7 +52,7 @@ class RunCollector(channel.ChannelHandler):
 
     def __init__(
         self,
-        logger: logging.Logger | logging.LoggerAdapter[Any],
+        logger: Any,
         *,
         log_ranks: frozenset[int] | None,
         on_metrics: Callable[[MetricRecord], None] | None,
@@ -72,7 +72,7 @@ class RunCollector(channel.ChannelHandler):
         self._stdout: deque[str] = deque()
         self._stdout_bytes = 0
         self.stdout_truncated = False
-        self._result = bytearray()
+        self._result: list[bytes | bytearray] = []
         self.result: bytes | None = None
         self.attempt = 0
         self.failure_order: list[int] = []
@@ -103,7 +103,7 @@ class RunCollector(channel.ChannelHandler):
         if self._retried:
             self._fail(AGENT, "Spark retried the barrier stage; sparktorch_ops refuses retries")
 
-    def on_frame(self, peer: channel.Peer, kind: int, payload: bytes) -> None:
+    def on_frame(self, peer: channel.Peer, kind: int, payload: bytes | bytearray) -> None:
         hello = peer.hello
         role = hello.get("role")
         if kind in (channel.STDOUT, channel.STDERR):
@@ -117,12 +117,12 @@ class RunCollector(channel.ChannelHandler):
         elif kind == channel.METRIC:
             self._metric(int(hello["rank"]), json.loads(payload))
         elif kind == channel.RESULT_CHUNK and int(hello["rank"]) == 0:
-            self._result += payload
+            self._result.append(payload)
         elif kind == channel.RESULT_END and int(hello["rank"]) == 0:
             size = json.loads(payload)["size"]
-            if size == len(self._result):
-                self.result = bytes(self._result)
-            self._result = bytearray()
+            if size == sum(len(chunk) for chunk in self._result):
+                self.result = b"".join(self._result)
+            self._result = []
         elif kind == channel.FAILURE:
             record = json.loads(payload)
             self._fail(int(hello["rank"]), f"{record['type']}: {record['message']}".strip())
@@ -160,7 +160,7 @@ class RunCollector(channel.ChannelHandler):
         for state in self.ranks.values():
             state.exited, state.exit_code, state.signal = False, None, None
             state.reason, state.failed_at = "", None
-        self._result = bytearray()
+        self._result = []
         self.result = None
 
     def _rank_lines(self, rank: int, kind: int, lines: list[str]) -> None:
@@ -293,6 +293,14 @@ class RunCollector(channel.ChannelHandler):
         return sum(1 for rank in self.ranks if rank >= 0)
 
     def supervisors_done(self, num_processes: int) -> bool:
-        """Every rank of the current attempt reported its exit and every client hung up."""
+        """Every rank of the current attempt reported its exit and every rank client hung up."""
         exited = sum(1 for r, s in self.ranks.items() if r >= 0 and s.exited)
-        return exited >= num_processes and not self.open_peers
+        with self._lock:
+            ranks_open = any(h.get("role") != "node" for h in self.open_peers.values())
+        return exited >= num_processes and not ranks_open
+
+    def nodes_done(self, num_tasks: int) -> bool:
+        """Every barrier task reported how its agent exited, all with success."""
+        with self._lock:
+            codes = list(self.nodes_exited.values())
+        return len(codes) >= num_tasks and all(code == 0 for code in codes)

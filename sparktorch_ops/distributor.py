@@ -29,7 +29,7 @@ from sparktorch_ops.errors import (
 )
 from sparktorch_ops.launchers import BarrierLauncher, LocalLauncher
 from sparktorch_ops.payload import FunctionCall, Payload, prepare
-from sparktorch_ops.planning import barrier_layout, select_local_gpus
+from sparktorch_ops.planning import BarrierLayout, barrier_layout, select_local_gpus
 from sparktorch_ops.results import MetricRecord, RunResult
 from sparktorch_ops.spec import LaunchSpec
 
@@ -64,7 +64,8 @@ class TorchDistributor:
         env: extra environment variables for every rank.
         max_restarts: torchrun's worker-group restarts within one run.
         torchrun_args: further torchrun options (not those the distributor sets itself).
-        logger: receives every rank's output (stdout at INFO, stderr at WARNING).
+        logger: receives every rank's output (stdout at INFO, stderr at WARNING): a
+            ``logging.Logger``, an adapter, or anything with ``log(level, msg, *args)``.
         on_metrics: called with every ``sparktorch_ops.report()`` record as it arrives.
         start_timeout: seconds to wait for task slots, executors and the rendezvous.
         timeout: seconds (or a timedelta) the whole run may take.
@@ -82,7 +83,7 @@ class TorchDistributor:
         env: Mapping[str, str] | None = None,
         max_restarts: int = 0,
         torchrun_args: Iterable[str] | None = None,
-        logger: logging.Logger | logging.LoggerAdapter[Any] | None = None,
+        logger: Any = None,
         on_metrics: Callable[[MetricRecord], None] | None = None,
         start_timeout: float | datetime.timedelta | None = None,
         timeout: float | datetime.timedelta | None = None,
@@ -149,11 +150,11 @@ class TorchDistributor:
         self, train_object: Callable[..., Any] | str | os.PathLike[str], *args: Any, **kwargs: Any
     ) -> RunResult:
         """Like :meth:`run`, but return the whole :class:`RunResult`."""
-        payload = prepare(train_object, args, kwargs)
-        session, gpus = self._resolve_resources()
-        run = _Run(self.spec, payload, session, gpus)
-        self._runs.append(run)
+        run = _Run(self.spec)
+        self._runs.append(run)  # from here on, cancel() reaches this run
         try:
+            run.payload = prepare(train_object, args, kwargs)
+            run.session, run.gpus = self._resolve_resources()
             return run.execute()
         finally:
             self._runs.remove(run)
@@ -188,13 +189,11 @@ class TorchDistributor:
 class _Run:
     """One launch: a helper thread drives it while the caller's thread waits in plain Python."""
 
-    def __init__(
-        self, spec: LaunchSpec, payload: Payload, session: Any, gpus: list[str] | None
-    ) -> None:
+    def __init__(self, spec: LaunchSpec) -> None:
         self.spec = spec
-        self.payload = payload
-        self.session = session
-        self.gpus = gpus
+        self.payload: Payload = FunctionCall(b"")
+        self.session: Any = None
+        self.gpus: list[str] | None = None
         self.run_id = f"sparktorch-{uuid.uuid4().hex[:16]}"
         self.log = spec.logger or _default_logger
         self.cancel_reason: str | None = None
@@ -207,6 +206,7 @@ class _Run:
             self.cancel_reason = reason
 
     def execute(self) -> RunResult:
+        self._check_cancelled()  # cancelled while the call was being packed
         context = contextvars.copy_context()
         thread = threading.Thread(
             target=context.run, args=(self._drive,), name=self.run_id, daemon=True
@@ -286,7 +286,7 @@ class _Run:
                 spec.num_processes,
                 spec.mode,
             )
-            code, note = self._supervise(launcher, collector, started)
+            code, note = self._supervise(launcher, collector, started, server, layout)
             if code == 0 and not collector.failure_order:
                 server.drain(lambda: collector.supervisors_done(spec.num_processes), _DRAIN_S)
             if code != 0 or collector.failure_order:
@@ -324,9 +324,15 @@ class _Run:
             raise TrainingCancelledError(self.cancel_reason)
 
     def _supervise(
-        self, launcher: LocalLauncher | BarrierLauncher, collector: RunCollector, started: float
+        self,
+        launcher: LocalLauncher | BarrierLauncher,
+        collector: RunCollector,
+        started: float,
+        server: ChannelServer,
+        layout: BarrierLayout | None,
     ) -> tuple[int, str]:
         spec = self.spec
+        released = False
         while True:
             self._check_cancelled()
             elapsed = time.monotonic() - started
@@ -349,6 +355,13 @@ class _Run:
                 while not collector.failed_ranks_reported() and time.monotonic() < deadline:
                     time.sleep(_POLL_S / 5)
                 return 1, ""
+            if layout is not None and not released and collector.nodes_done(layout.num_tasks):
+                # Every agent is done with the rendezvous store: closing the channel tells task
+                # 0 it may drop the store and lets the barrier job finish (a Spark barrier()
+                # call would cost about a second).
+                server.drain(lambda: collector.supervisors_done(spec.num_processes), _DRAIN_S)
+                server.close()
+                released = True
             status = launcher.poll()
             if status is not None:
                 return status

@@ -16,7 +16,7 @@ import sysconfig
 import threading
 import types
 from collections import ChainMap
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -78,7 +78,7 @@ def prepare(train_object: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> P
 
 def pickle_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
     """cloudpickle ``(fn, args, kwargs)``, shipping non-importable user modules by value."""
-    modules = list(_user_modules(fn))
+    modules = _user_modules(fn)
     with _REGISTRY_LOCK:
         registered = []
         try:
@@ -125,20 +125,23 @@ def _installed_prefixes() -> tuple[str, ...]:
 
 
 def _is_user_module(module: types.ModuleType, installed: tuple[str, ...]) -> bool:
-    name = module.__name__
-    if name == "__main__" or name.split(".")[0] in ("sparktorch_ops", "cloudpickle", "pyspark"):
-        return False  # __main__ goes by value anyway; our own package must be installed
+    if module.__name__.split(".")[0] in ("sparktorch_ops", "cloudpickle", "pyspark"):
+        return False  # our own package must be installed where the ranks run
     file = getattr(module, "__file__", None)
     if not file:
         return False
     return not os.path.realpath(file).startswith(installed)
 
 
-def _user_modules(fn: Any) -> Iterator[types.ModuleType]:
-    """Modules outside site-packages reachable from ``fn``'s globals, ``fn``'s own first."""
+def _user_modules(fn: Any) -> list[types.ModuleType]:
+    """Modules outside site-packages reachable from ``fn``, walking their globals.
+
+    ``__main__`` is walked but not returned: cloudpickle ships its code by value anyway.
+    """
     installed = _installed_prefixes()
     seen: set[str] = set()
-    queue: list[types.ModuleType] = []
+    found: list[types.ModuleType] = []
+    to_walk: list[types.ModuleType] = []
 
     def visit(obj: Any) -> None:
         if isinstance(obj, types.ModuleType):
@@ -148,19 +151,20 @@ def _user_modules(fn: Any) -> Iterator[types.ModuleType]:
         if module is None or module.__name__ in seen:
             return
         seen.add(module.__name__)
-        if _is_user_module(module, installed):
-            queue.append(module)
+        if module.__name__ == "__main__":
+            to_walk.append(module)
+        elif _is_user_module(module, installed):
+            found.append(module)
+            to_walk.append(module)
 
     target = getattr(fn, "func", fn)  # functools.partial
-    visit(target if not isinstance(target, types.ModuleType) else None)
+    visit(target)
     visit(type(target))
-    index = 0
-    while index < len(queue) and len(queue) < _MAX_BY_VALUE_MODULES:
-        for value in list(vars(queue[index]).values()):
+    while to_walk and len(found) < _MAX_BY_VALUE_MODULES:
+        for value in list(vars(to_walk.pop()).values()):
             if isinstance(value, (types.ModuleType, types.FunctionType, type)):
                 visit(value)
-        index += 1
-    yield from queue
+    return found
 
 
 def materialize(payload: Payload, directory: str, *, in_place: bool) -> dict[str, Any]:

@@ -109,9 +109,9 @@ def agent_env(
 ) -> dict[str, str]:
     """The environment of one node's agent; torchrun passes it on to every rank it starts.
 
-    ``user_env`` wins over ``base_env``; OMP_NUM_THREADS is set only where neither sets it;
-    CUDA_VISIBLE_DEVICES is set whenever GPUs were assigned (and removed for CPU runs would be
-    wrong: a CPU run keeps whatever the node had).
+    ``user_env`` wins over ``base_env``; OMP_NUM_THREADS is set only where neither sets it
+    (Spark itself exports ``spark.task.cpus`` there for its Python workers); CUDA_VISIBLE_DEVICES
+    is set whenever GPUs were assigned, and left as the node has it for CPU runs.
     """
     env = dict(base_env)
     env.update(user_env)
@@ -120,7 +120,7 @@ def agent_env(
     env[TOKEN_ENV] = token
     env[PAYLOAD_ENV] = payload_path
     env[NODE_HOST_ENV] = host
-    if omp_threads is not None and "OMP_NUM_THREADS" not in user_env:
+    if omp_threads is not None and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(omp_threads)
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices

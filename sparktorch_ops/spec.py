@@ -6,7 +6,6 @@ Validation errors are :class:`~sparktorch_ops.errors.ConfigError` naming the off
 from __future__ import annotations
 
 import datetime
-import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -167,7 +166,7 @@ class LaunchSpec:
         start_timeout: seconds to wait for slots, executors and the rendezvous.
         timeout: seconds the whole run may take.
         log_ranks: ranks whose output is forwarded to the logger (None: all).
-        logger: where rank output, metrics and progress go.
+        logger: where rank output goes: anything with ``log(level, msg, *args)``.
         on_metrics: called with each :class:`MetricRecord` as it arrives.
         allow_unencrypted_channel: run even though Spark's encryption is on (like pyspark's
             ``ignoreSsl``); the channel itself is authenticated by a token but not encrypted.
@@ -182,7 +181,7 @@ class LaunchSpec:
     start_timeout: float | None = None
     timeout: float | None = None
     log_ranks: frozenset[int] | None = None
-    logger: logging.Logger | logging.LoggerAdapter[Any] | None = None
+    logger: Any = None
     on_metrics: Callable[[Any], None] | None = None
     allow_unencrypted_channel: bool = False
 
@@ -199,11 +198,11 @@ class LaunchSpec:
         object.__setattr__(self, "log_ranks", _check_log_ranks(self.log_ranks))
         if self.on_metrics is not None and not callable(self.on_metrics):
             raise ConfigError("on_metrics", f"must be callable, got {self.on_metrics!r}")
-        if self.logger is not None and not isinstance(
-            self.logger, (logging.Logger, logging.LoggerAdapter)
-        ):
+        if self.logger is not None and not callable(getattr(self.logger, "log", None)):
             raise ConfigError(
-                "logger", f"must be a logging.Logger or LoggerAdapter, got {self.logger!r}"
+                "logger",
+                "must be a logging.Logger, a LoggerAdapter or any object with a "
+                f"log(level, msg, *args) method (structlog's, Airflow's), got {self.logger!r}",
             )
 
     @property

@@ -11,7 +11,13 @@ from typing import Any
 
 import pytest
 
-from sparktorch_ops import ConfigError, TorchDistributor, TrainingFailedError, report
+from sparktorch_ops import (
+    ConfigError,
+    TorchDistributor,
+    TrainingCancelledError,
+    TrainingFailedError,
+    report,
+)
 from tests.support.driver import run_driver
 
 ENV_KEYS = (
@@ -63,7 +69,8 @@ def test_env_contract_rank0_value_logs_and_metrics(caplog: pytest.LogCaptureFixt
     assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
     assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"}
     assert len({e["MASTER_PORT"] for e in envs}) == 1
-    assert {e["OMP_NUM_THREADS"] for e in envs} == {str(max(1, (os.cpu_count() or 1) // 2))}
+    expected_threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // 2))
+    assert {e["OMP_NUM_THREADS"] for e in envs} == {expected_threads}
     assert result.exit_codes == {0: 0, 1: 0}
     assert result.mode == "local" and result.num_processes == 2 and result.app_id is None
     assert result.duration.total_seconds() > 0
@@ -220,3 +227,35 @@ def test_max_restarts_lets_torchrun_restart_the_worker_group() -> None:
     assert distributor.run(fail_on_first_attempt) == 1
     with pytest.raises(TrainingFailedError, match="transient failure"):
         TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(fail_on_first_attempt)
+
+
+class SlowToPickle:
+    """Takes a while to pickle, so cancel() can land while launch() is still packing."""
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        time.sleep(1.5)
+        return (SlowToPickle, ())
+
+
+def finishes(_: object) -> str:
+    return "finished"
+
+
+def test_cancel_while_the_call_is_being_packed() -> None:
+    import threading
+
+    distributor = TorchDistributor(num_processes=1, local_mode=True, use_gpu=False)
+    outcome: dict[str, object] = {}
+
+    def go() -> None:
+        try:
+            outcome["value"] = distributor.run(finishes, SlowToPickle())
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    time.sleep(0.5)
+    distributor.cancel()
+    thread.join(60)
+    assert isinstance(outcome.get("error"), TrainingCancelledError), outcome

@@ -14,7 +14,7 @@ BLOCKER = """
 import sys
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {"airflow", "prefect", "torch", "pyspark", "py4j"}:
+        if name.split(".")[0] in {"airflow", "prefect", "torch", "pyspark", "py4j", "lightning", "deepspeed"}:
             raise ImportError(f"{name} is blocked in this test")
         return None
 sys.meta_path.insert(0, Block())
@@ -26,7 +26,9 @@ def test_core_imports_with_frameworks_blocked() -> None:
         "import sparktorch_ops\n"
         "from sparktorch_ops import TorchDistributor, report, ConfigError, RunResult\n"
         "import sparktorch_ops.distributor, sparktorch_ops.cli, sparktorch_ops.barrier\n"
+        "from sparktorch_ops import DeepspeedTorchDistributor, lightning_trainer_kwargs\n"
         "TorchDistributor(num_processes=2, local_mode=True, use_gpu=False)\n"
+        "DeepspeedTorchDistributor(numGpus=2, useGpu=False)\n"
         "print('ok')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -54,7 +54,7 @@ def test_barrier_agent_argv_never_hosts_the_store_and_bounds_the_join() -> None:
 
 def test_agent_env_layers_user_env_and_run_settings() -> None:
     env = planning.agent_env(
-        {"PATH": "/bin", "OMP_NUM_THREADS": "9", "KEEP": "1"},
+        {"PATH": "/bin", "KEEP": "1"},
         {"MY_VAR": "x"},
         run_id="r",
         channel="127.0.0.1:5",
@@ -78,10 +78,13 @@ def test_agent_env_layers_user_env_and_run_settings() -> None:
     }
 
 
-def test_user_omp_setting_wins() -> None:
+@pytest.mark.parametrize(
+    ("base", "user"), [({}, {"OMP_NUM_THREADS": "3"}), ({"OMP_NUM_THREADS": "3"}, {})]
+)
+def test_an_omp_setting_already_there_wins(base: dict, user: dict) -> None:
     env = planning.agent_env(
-        {},
-        {"OMP_NUM_THREADS": "3"},
+        base,
+        user,
         run_id="r",
         channel="c",
         token="t",

@@ -72,3 +72,11 @@ def test_config_error_survives_pickling() -> None:
     error = pickle.loads(pickle.dumps(ConfigError("num_processes", "must be >= 1")))
     assert error.argument == "num_processes"
     assert str(error) == "num_processes: must be >= 1"
+
+
+def test_any_logger_with_a_log_method_is_accepted() -> None:
+    class StructlogLike:
+        def log(self, level: int, msg: str, *args: object) -> None:
+            pass
+
+    assert isinstance(LaunchSpec(logger=StructlogLike()).logger, StructlogLike)
