@@ -52,7 +52,9 @@ def master_from_connection(conn_type: str | None, host: str | None, port: int | 
 
 def conf_from_extra(extra: Mapping[str, Any], log: Any) -> dict[str, str]:
     """Spark settings from the connection's extra (provider keys mapped, ``spark.*`` kept)."""
-    conf = {str(k): str(v) for k, v in extra.items() if str(k).startswith("spark.") and v is not None}
+    conf = {
+        str(k): str(v) for k, v in extra.items() if str(k).startswith("spark.") and v is not None
+    }
     if extra.get("queue"):
         conf.setdefault("spark.yarn.queue", str(extra["queue"]))
     if extra.get("namespace"):
@@ -104,4 +106,3 @@ def resolve_connection(conn_id: str, log: Any) -> SparkConnection:
 def is_local_master(master: str) -> bool:
     """Whether the master runs everything in this process (``local``, ``local[4]``...)."""
     return master == "local" or master.startswith("local[")
-

@@ -8,7 +8,6 @@ Airflow: an XCom summary, the task log, an extra link, and Airflow's exceptions.
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import threading
 import time
@@ -44,25 +43,6 @@ if TYPE_CHECKING:
     from sparktorch_ops.results import MetricRecord, RunResult
 
 _KILL_POLL_S = 0.1
-
-
-class _TaskLogAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """Forwards the core's log calls to Airflow's task logger (a structlog logger).
-
-    The core takes a stdlib ``Logger`` or ``LoggerAdapter``; Airflow 3's ``self.log`` is neither.
-    Every ``LoggerAdapter`` method goes through :meth:`log`, which hands the call on unchanged
-    (level, %-format and args, ``exc_info``), so lines keep their level in the task log.
-    """
-
-    def __init__(self, target: Any) -> None:
-        super().__init__(logging.getLogger("sparktorch_ops.airflow"), {})
-        self._target = target
-
-    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
-        self._target.log(level, msg, *args, **kwargs)
-
-    def isEnabledFor(self, level: int) -> bool:  # noqa: N802 - the logging API's name
-        return True
 
 
 class TorchTrainingError(AirflowException):
@@ -184,12 +164,15 @@ class TorchDistributorOperator(BaseOperator):
         self.spark_ui_link: str | None = None
         self._distributor: TorchDistributor | None = None
         self._killed = False
+        self._jvm_started_here = False
+        self._session_keys: list[str] = []
 
     # -- Airflow entry points -------------------------------------------------------------
 
     def execute(self, context: Context) -> dict[str, Any]:
         """Check the rendered arguments, run the training, return the XCom summary."""
         self.spark_ui_link = ""
+        self._killed = False  # a kill of an earlier try in this process is not this try's
         num_processes, train = self._checked_input()
         self._make_distributor(num_processes, spark=None)  # the core's checks, before Spark
         connection = self._connection()
@@ -219,7 +202,10 @@ class TorchDistributorOperator(BaseOperator):
             done.set()
             self._distributor = None
             if created and session is not None:
-                self._stop_session(session)
+                try:
+                    self._stop_session(session)
+                except Exception:  # must not hide the run's own outcome
+                    self.log.warning("sparktorch_ops: could not stop Spark", exc_info=True)
         return self._summary(result, context)
 
     def on_kill(self) -> None:
@@ -282,7 +268,7 @@ class TorchDistributorOperator(BaseOperator):
                 env={str(k): str(v) for k, v in self.env.items()},
                 max_restarts=self.max_restarts,
                 torchrun_args=self.torchrun_args,
-                logger=_TaskLogAdapter(self.log),
+                logger=self.log,
                 on_metrics=self._on_metrics,
                 start_timeout=self.start_timeout,
                 timeout=self.timeout,
@@ -326,9 +312,11 @@ class TorchDistributorOperator(BaseOperator):
             else:
                 self.log.info("sparktorch_ops: reusing the active SparkSession (master %s)", master)
             return active, False
+        from pyspark import SparkContext
         from pyspark.sql import SparkSession
 
         assert connection is not None
+        self._jvm_started_here = SparkContext._gateway is None
         conf = {**connection.conf, **{str(k): str(v) for k, v in self.spark_conf.items()}}
         if is_local_master(connection.master):
             # Loopback for a driver that only talks to itself; a cluster's driver address is
@@ -345,6 +333,7 @@ class TorchDistributorOperator(BaseOperator):
             connection.conn_id or "none: local Spark",
         )
         session = builder.getOrCreate()
+        self._session_keys = ["spark.master", "spark.app.name", *conf]
         return session, True
 
     def _publish_ui_link(self, session: Any, context: Context) -> None:
@@ -370,7 +359,17 @@ class TorchDistributorOperator(BaseOperator):
         final = spark_support.ui_url(sc)
         # The live UI dies with this session; only a History Server page outlives it.
         self.spark_ui_link = final if final and final != live else ""
+        jvm = sc._jvm
         session.stop()
+        if self._jvm_started_here and jvm is not None:
+            # pyspark starts its JVM with the first session's settings as Java system
+            # properties, which every later SparkContext of this process would inherit (a
+            # dag.test() runs all tasks in one process): this task's settings end with it.
+            for key in self._session_keys:
+                try:
+                    jvm.java.lang.System.clearProperty(key)
+                except Exception:
+                    self.log.debug("sparktorch_ops: could not clear %s", key, exc_info=True)
 
     def _forward_kill(self, distributor: TorchDistributor, done: threading.Event) -> None:
         """Repeat cancel() while execute runs: on_kill may come before the run registered."""

@@ -15,7 +15,11 @@ CONNECTIONS = {
     # The UI way: conn_type spark, the master URL in host, maybe a port.
     "sto_standalone": {"conn_type": "spark", "host": "spark://10.1.2.3", "port": 7077},
     "sto_local": {"conn_type": "spark", "host": "local[4]"},
-    "sto_yarn": {"conn_type": "spark", "host": "yarn", "extra": {"queue": "ml", "deploy-mode": "client"}},
+    "sto_yarn": {
+        "conn_type": "spark",
+        "host": "yarn",
+        "extra": {"queue": "ml", "deploy-mode": "client"},
+    },
     "sto_extras": {
         "conn_type": "spark",
         "host": "spark://10.1.2.4",
@@ -117,7 +121,9 @@ def test_large_and_non_json_values_are_stored(tmp_path: Path, location: str) -> 
     stored = value_fields(text, location=base, key=key, max_bytes=1000)
     assert stored["value_format"] == "text"
     assert stored["value_size"] == 5000
-    assert "5002 bytes as JSON, more than max_xcom_value_bytes=1000" in stored["value_stored_because"]
+    assert (
+        "5002 bytes as JSON, more than max_xcom_value_bytes=1000" in stored["value_stored_because"]
+    )
     assert "value" not in stored
     assert stored["value_uri"].endswith(f"{key}/result.txt")
     assert load_result(stored) == text
@@ -130,10 +136,27 @@ def test_large_and_non_json_values_are_stored(tmp_path: Path, location: str) -> 
     assert load_result(stored) == odd
     if location != "memory":
         assert stored["value_uri"].startswith("file://")
-        assert Path(stored["value_uri"].removeprefix("file://")).stat().st_size == stored["value_size"]
+        assert (
+            Path(stored["value_uri"].removeprefix("file://")).stat().st_size == stored["value_size"]
+        )
+
+
+def test_default_result_location(monkeypatch: pytest.MonkeyPatch, airflow_db: Path) -> None:
+    from sparktorch_ops.airflow.storage import (
+        default_max_xcom_value_bytes,
+        default_result_location,
+    )
+
+    assert default_result_location() == str(airflow_db / "sparktorch_ops" / "results")
+    assert default_max_xcom_value_bytes() == 48 * 1024
+    monkeypatch.setenv("AIRFLOW__SPARKTORCH_OPS__RESULT_LOCATION", "s3://aws_default@bucket/x")
+    monkeypatch.setenv("AIRFLOW__SPARKTORCH_OPS__MAX_XCOM_VALUE_BYTES", "1024")
+    assert default_result_location() == "s3://aws_default@bucket/x"
+    assert default_max_xcom_value_bytes() == 1024
 
 
 def test_provider_info_matches_airflow_schema() -> None:
+    import importlib.metadata
     import importlib.resources
 
     import jsonschema
@@ -158,6 +181,10 @@ def test_provider_info_matches_airflow_schema() -> None:
             assert hasattr(import_string(f"{module}.TorchDistributorOperator"), "execute")
     options = info["config"]["sparktorch_ops"]["options"]
     assert int(options["max_xcom_value_bytes"]["default"]) == 48 * 1024
+    # Once the package declares the entry point, Airflow finds exactly this function.
+    for entry_point in importlib.metadata.entry_points(group="apache_airflow_provider"):
+        if entry_point.dist and canonicalize_name(entry_point.dist.name) == "sparktorch-ops":
+            assert entry_point.load() is get_provider_info
 
 
 def test_operator_declares_templates_and_link() -> None:

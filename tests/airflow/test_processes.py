@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,13 +24,14 @@ from tests.airflow.conftest import airflow_env, read_xcom
 from tests.support.procs import wait_until_gone
 
 RUN_STARTED = re.compile(r"sparktorch_ops: (sparktorch-[0-9a-f]+) started")
+HISTORY = "http://history.example:18080"  # as in dags/sto_cluster.py
 
 
 class AirflowCommand:
     """An ``airflow ...`` subprocess whose output is collected line by line as it comes."""
 
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        airflow = str(Path(os.sys.executable).with_name("airflow"))
+        airflow = str(Path(sys.executable).with_name("airflow"))
         self.proc = subprocess.Popen(
             [airflow, *args],
             env=env,
@@ -147,8 +148,6 @@ def test_operator_on_a_standalone_cluster_from_a_connection(
     assert code == 0, output[-20000:]
     run_id = latest_run_id("sto_cluster")
 
-    from tests.airflow.dags.sto_cluster import HISTORY
-
     on_cluster = read_xcom("sto_cluster", run_id, "on_cluster")
     assert (on_cluster["mode"], on_cluster["num_processes"]) == ("barrier", 2)
     assert on_cluster["value"]["world_size"] == 2
@@ -156,7 +155,10 @@ def test_operator_on_a_standalone_cluster_from_a_connection(
     history = f"{HISTORY}/history/{on_cluster['app_id']}/jobs/"
     assert on_cluster["ui_url"] == history
     assert read_xcom("sto_cluster", run_id, "on_cluster", key="_link_SparkUILink") == history
-    assert f"starting a SparkSession on {standalone_cluster.master_url} (connection spark_cluster)" in output
+    assert (
+        f"starting a SparkSession on {standalone_cluster.master_url} (connection spark_cluster)"
+        in output
+    )
 
     default = read_xcom("sto_cluster", run_id, "default_conn")
     assert default["mode"] == "barrier"
