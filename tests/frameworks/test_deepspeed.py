@@ -183,8 +183,12 @@ def test_rank_side_runs_a_private_copy_and_removes_the_config(
     missing = str(tmp_path / "not-on-this-node" / "train.py")  # as on an executor
     with pytest.raises(SystemExit) as caught:
         run_script_on_rank(
-            "train.py", "0" * 64, missing, source, ["--epochs=1", "--fail"],
+            "train.py",
+            missing,
+            source,
+            ["--epochs=1", "--fail"],
             ConfigPayload('{"train_batch_size": 4}', ".json"),
+            in_place=False,
         )
     assert caught.value.code == 3
     (record,) = _probe_records(capsys.readouterr().out)
@@ -199,11 +203,14 @@ def test_rank_side_runs_a_private_copy_and_removes_the_config(
 def test_shim_is_a_script_that_calls_the_rank_side(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_bytes(b"print('hi')\n")
-    text = shim_source(script, b"print('hi')\n", ["--a=1"], ConfigPayload("{}", ".json"))
+    text = shim_source(
+        script, b"print('hi')\n", ["--a=1"], ConfigPayload("{}", ".json"), in_place=False
+    )
     compile(text, "shim", "exec")
     assert "run_script_on_rank(" in text
     assert "script_args=['--a=1']" in text
     assert f"driver_path={str(script)!r}" in text
+    assert "in_place=False" in text
 
 
 # -- real torchrun runs: local mode and barrier mode -------------------------------------------
@@ -214,12 +221,15 @@ def probe_script(tmp_path: Path) -> Path:
     return path
 
 
-def _check_probe_run(output: str, script: Path, config: dict[str, Any]) -> None:
+def _check_probe_run(output: str, script: Path, config: dict[str, Any], *, in_place: bool) -> None:
     records = _probe_records(output)
     # run() returns rank 0's stdout, as for any script.
     assert [r["rank"] for r in records] == ["0"]
     (record,) = records
-    assert record["argv"] == script_argv(str(script), ["--epochs=2"], record["config_path"])
+    # Local mode runs the driver's file in place; barrier mode a shipped copy (as the core does).
+    assert (record["file"] == str(script)) is in_place
+    assert os.path.basename(record["file"]) == script.name
+    assert record["argv"] == script_argv(record["file"], ["--epochs=2"], record["config_path"])
     assert json.loads(record["config"]) == config
     assert record["ds_accelerator"] == "cpu"
     assert not os.path.exists(record["config_path"]), "the config file outlived the run"
@@ -229,7 +239,7 @@ def test_local_run_gives_every_rank_deepspeed_argv_and_removes_config(probe_scri
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
     d = DeepspeedTorchDistributor(numGpus=2, localMode=True, useGpu=False, deepspeedConfig=config)
     result = d.launch(str(probe_script), "--epochs=2")
-    _check_probe_run(result.value, probe_script, config)
+    _check_probe_run(result.value, probe_script, config, in_place=True)
     rank1 = _probe_records(result.outputs[1])
     assert [r["rank"] for r in rank1] == ["1"]
     assert rank1[0]["config_path"] != _probe_records(result.value)[0]["config_path"]
@@ -243,12 +253,16 @@ def test_barrier_run_writes_the_config_where_each_rank_runs(
     config = {"train_micro_batch_size_per_gpu": 2}
     config_file.write_text(json.dumps(config))
     d = DeepspeedTorchDistributor(
-        numGpus=1, nnodes=2, localMode=False, useGpu=False, deepspeedConfig=str(config_file),
+        numGpus=1,
+        nnodes=2,
+        localMode=False,
+        useGpu=False,
+        deepspeedConfig=str(config_file),
         spark=spark,
     )
     result = d.launch(str(probe_script), "--epochs=2")
     assert result.mode == "barrier"
-    _check_probe_run(result.value, probe_script, config)
+    _check_probe_run(result.value, probe_script, config, in_place=False)
     assert config_file.exists()  # the user's own file is only read
 
 
