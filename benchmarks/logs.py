@@ -1,0 +1,263 @@
+"""Log streaming: each of 2 ranks prints 20,000 lines; ours into a logger, torchrun to /dev/null.
+
+Variants, alternating round by round after a discarded warm-up round:
+
+- ``torchrun``: bare torchrun runs ``jobs.py lines``; its stdout goes to /dev/null (the floor:
+  nothing is read, the ranks' stdout is block-buffered).
+- ``ours_local_script``: the same script through ``run("jobs.py", "lines")``; every line goes
+  through the channel to a logger with a ``FileHandler`` on a temp file (as Airflow's task log).
+- ``ours_local_fn``: the same through ``run(jobs.print_lines, N)``.
+- control runs (``--control``, on by default) of torchrun and ours with 0 lines, so the cost
+  of the lines themselves can be told apart from launch time.
+
+After every run of ours the log file is checked: every rank's lines all there, in order
+(``seq`` 0..N-1 for each rank). The driver's CPU time during the run is recorded too.
+
+    python benchmarks/logs.py --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import common
+from common import JOBS_SCRIPT, log, median, print_table, ratio
+
+common.prepare_environment()
+
+import jobs  # noqa: E402  (needs the benchmarks dir on sys.path, set just above)
+
+NAME = "logs"
+TARGET_RATIO = 1.10
+LINE = re.compile(r"\[rank (\d+)\|[^\]]*\] rank (\d+) seq (\d+) ")
+
+
+def verify_log(path: str, ranks: int, count: int) -> dict[str, Any]:
+    """Every rank's ``count`` lines present once, in order; return what was found.
+
+    Raises:
+        AssertionError: a line is missing, duplicated, out of order or attributed to the
+            wrong rank.
+    """
+    next_seq = dict.fromkeys(range(ranks), 0)
+    problems: list[str] = []
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            match = LINE.search(line)
+            if match is None:
+                continue
+            prefix_rank, rank, seq = (int(g) for g in match.groups())
+            if prefix_rank != rank:
+                problems.append(f"line of rank {rank} logged as rank {prefix_rank}")
+            elif seq != next_seq.get(rank, -1):
+                problems.append(f"rank {rank}: expected seq {next_seq.get(rank)}, got {seq}")
+            next_seq[rank] = next_seq.get(rank, 0) + 1
+            if len(problems) > 5:
+                break
+    for rank in range(ranks):
+        if next_seq[rank] != count:
+            problems.append(f"rank {rank}: {next_seq[rank]} of {count} lines delivered")
+    if problems:
+        raise AssertionError("; ".join(problems[:6]))
+    return {"lines_per_rank": dict(next_seq), "in_order": True}
+
+
+class FileLogger:
+    """A fresh logger writing to a fresh temp file (closed and removed by ``close``)."""
+
+    def __init__(self) -> None:
+        handle, self.path = tempfile.mkstemp(prefix="sparktorch-bench-", suffix=".log")
+        os.close(handle)
+        self.logger = logging.getLogger(f"bench.logs.{os.path.basename(self.path)}")
+        self.logger.setLevel(logging.INFO)
+        self.logger.propagate = False
+        self.handler = logging.FileHandler(self.path, encoding="utf-8")
+        self.handler.setFormatter(
+            logging.Formatter("[%(asctime)s] {%(filename)s:%(lineno)d} %(levelname)s - %(message)s")
+        )
+        self.logger.addHandler(self.handler)
+
+    def close(self) -> None:
+        self.logger.removeHandler(self.handler)
+        self.handler.close()
+        os.unlink(self.path)
+
+
+def build_variants(count: int, control: bool, timeout: float) -> dict[str, Callable[[], Any]]:
+    """name -> run once; ours return (the log sink, lines expected per rank)."""
+    from sparktorch_ops import TorchDistributor
+
+    def ours(lines: int, as_function: bool) -> Callable[[], Any]:
+        def run() -> Any:
+            sink = FileLogger()
+            distributor = TorchDistributor(
+                num_processes=2, local_mode=True, use_gpu=False, logger=sink.logger, timeout=timeout
+            )
+            if as_function:
+                distributor.run(jobs.print_lines, lines)
+            else:
+                distributor.run(str(JOBS_SCRIPT), "lines", f"--count={lines}")
+            return sink, lines
+
+        return run
+
+    def bare(lines: int) -> Callable[[], Any]:
+        return lambda: common.run_torchrun(
+            JOBS_SCRIPT, ["lines", f"--count={lines}"], capture=False, timeout=timeout
+        )
+
+    variants: dict[str, Callable[[], Any]] = {
+        "torchrun": bare(count),
+        "ours_local_script": ours(count, as_function=False),
+        "ours_local_fn": ours(count, as_function=True),
+    }
+    if control:
+        variants["torchrun_0_lines"] = bare(0)
+        variants["ours_local_script_0_lines"] = ours(0, as_function=False)
+    return variants
+
+
+def check(name: str, value: Any) -> dict[str, Any] | None:
+    """Verify ours' log file (then remove it)."""
+    if not name.startswith("ours"):
+        return None
+    sink, lines = value
+    try:
+        found = verify_log(sink.path, 2, lines)
+        size = os.path.getsize(sink.path)
+    finally:
+        sink.close()
+    return {"log_bytes": size, **found}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--lines", type=int, default=20_000, help="lines per rank")
+    parser.add_argument(
+        "--no-control", dest="control", action="store_false", help="skip the 0-line runs"
+    )
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--settle", type=float, default=0.5)
+    parser.add_argument("--name", default=NAME)
+    args = parser.parse_args(argv)
+
+    machine = common.machine_info()
+    variants = build_variants(args.lines, args.control, args.timeout)
+    series = common.alternate(
+        variants, args.repeats, warmup=args.warmup, check=check, settle_s=args.settle
+    )
+    base = median(series["torchrun"].seconds)
+    base0 = median(series["torchrun_0_lines"].seconds) if args.control else None
+    results: dict[str, Any] = {}
+    rows = []
+    for name, s in series.items():
+        summary = s.summary()
+        is_control = name.endswith("_0_lines")
+        reference = base0 if is_control else base
+        summary["ratio_vs_torchrun"] = ratio(summary["median_s"], reference)
+        if name.startswith("ours"):
+            summary["verified_runs"] = len(s.extra)
+        results[name] = summary
+        rows.append(
+            [
+                name,
+                summary["median_s"],
+                summary["ratio_vs_torchrun"],
+                None if is_control or not name.startswith("ours") else TARGET_RATIO,
+                summary["driver_cpu_median_s"],
+                summary["tree_cpu_median_s"],
+                f"{summary.get('verified_runs', 0)}/{summary['runs']}"
+                if name.startswith("ours")
+                else "-",
+                f"{len(summary['errors'])} failed" if summary["errors"] else "",
+            ]
+        )
+    print_table(
+        f"Logs: 2 ranks x {args.lines} lines, medians of {args.repeats} (s)",
+        [
+            "variant",
+            "median",
+            "x torchrun",
+            "target",
+            "driver CPU",
+            "all CPU",
+            "verified",
+            "errors",
+        ],
+        rows,
+    )
+    print("all CPU: CPU seconds of the driver and every process of the run (reaped children)")
+    lines_cost: dict[str, float | None] = {}
+    if args.control:
+        pairs = (
+            ("torchrun", "torchrun_0_lines"),
+            ("ours_local_script", "ours_local_script_0_lines"),
+        )
+        for name, zero_name in pairs:
+            for what, key in (("wall", "median_s"), ("cpu", "tree_cpu_median_s")):
+                full, zero = results[name][key], results[zero_name][key]
+                lines_cost[f"{name}_{what}_s"] = (
+                    None if full is None or zero is None else full - zero
+                )
+        for what in ("wall", "cpu"):
+            ours_cost = lines_cost[f"ours_local_script_{what}_s"]
+            bare_cost = lines_cost[f"torchrun_{what}_s"]
+            lines_cost[f"ours_extra_{what}_s"] = (
+                None if ours_cost is None or bare_cost is None else ours_cost - bare_cost
+            )
+        print_table(
+            f"What the {2 * args.lines} lines add over a 0-line run (medians, s)",
+            ["launcher", "wall", "CPU (all processes)"],
+            [
+                [
+                    "torchrun (to /dev/null)",
+                    lines_cost["torchrun_wall_s"],
+                    lines_cost["torchrun_cpu_s"],
+                ],
+                [
+                    "ours (to a FileHandler)",
+                    lines_cost["ours_local_script_wall_s"],
+                    lines_cost["ours_local_script_cpu_s"],
+                ],
+                [
+                    "ours - torchrun",
+                    lines_cost["ours_extra_wall_s"],
+                    lines_cost["ours_extra_cpu_s"],
+                ],
+            ],
+        )
+    common.write_results(
+        args.name,
+        {
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "lines_per_rank": args.lines,
+            "ranks": 2,
+            "target_ratio": TARGET_RATIO,
+            "variants": results,
+            "lines_cost_s": lines_cost,
+            "notes": (
+                "torchrun's ranks write to /dev/null (block-buffered); ours' ranks run with -u and "
+                "every line goes rank -> supervisor -> channel -> logger -> FileHandler (flushed "
+                "per record). Every run of ours is verified line by line (count and order per rank)."
+            ),
+        },
+        machine,
+    )
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Driver memory: the RSS a run adds to the driver, its peak during a run, and whether it grows.
+
+The driver's RSS is read after ``gc.collect()`` at start, after importing the distributor,
+and after every run; a thread samples it every 10 ms during each run for the peak. Then ``--runs``
+runs in a row (default 20) show whether it stays flat: the slope over the runs after the first
+is the figure to watch (a leak shows up as MiB per run).
+
+Jobs: ``allreduce`` (the trivial job) or ``lines`` (each rank prints ``--lines`` lines into a
+logger that drops them: what log streaming keeps in the driver). Local mode by default;
+``--mode barrier`` runs on a ``local[2]`` session (the JVM's memory is not the driver's and is
+reported apart).
+
+    python benchmarks/memory.py --runs 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import sys
+from typing import Any
+
+import common
+import psutil
+from common import RssSampler, log, print_table
+
+common.prepare_environment()
+
+import jobs  # noqa: E402  (needs the benchmarks dir on sys.path, set just above)
+
+NAME = "memory"
+
+
+def slope(values: list[float]) -> float | None:
+    """Least-squares slope of ``values`` against their index (MiB per run)."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean_x = (n - 1) / 2
+    mean_y = sum(values) / n
+    num = sum((i - mean_x) * (v - mean_y) for i, v in enumerate(values))
+    den = sum((i - mean_x) ** 2 for i in range(n))
+    return num / den
+
+
+def jvm_rss_mib() -> float | None:
+    """RSS of the Spark JVM started by this driver, if any."""
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.name() == "java":
+                return float(proc.memory_info().rss / 2**20)
+        except psutil.Error:
+            continue
+    return None
+
+
+def settled_rss() -> float:
+    gc.collect()
+    return common.rss_mib()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--mode", choices=["local", "barrier"], default="local")
+    parser.add_argument("--job", choices=["allreduce", "lines"], default="allreduce")
+    parser.add_argument("--lines", type=int, default=20_000, help="lines per rank for --job lines")
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--name", default=NAME)
+    args = parser.parse_args(argv)
+
+    machine = common.machine_info()
+    rss: dict[str, Any] = {"start": settled_rss()}
+    session = None
+    if args.mode == "barrier":
+        session = common.start_spark("local[2]")
+        rss["after_spark_session"] = settled_rss()
+    from sparktorch_ops import TorchDistributor
+
+    rss["after_import"] = settled_rss()
+    logger = common.quiet_logger()
+    if args.job == "allreduce":
+        job: Any = jobs.allreduce
+        expected: Any = 3.0
+    else:
+        job = functools.partial(jobs.print_lines, args.lines)
+        expected = args.lines
+
+    runs = []
+    for index in range(args.runs):
+        before = settled_rss()
+        distributor = TorchDistributor(
+            num_processes=2,
+            local_mode=args.mode == "local",
+            use_gpu=False,
+            spark=session,
+            logger=logger,
+            timeout=args.timeout,
+        )
+        with RssSampler(interval=0.01) as sampler:
+            value = distributor.run(job)
+        if value != expected:
+            raise AssertionError(f"run {index + 1} returned {value!r}, expected {expected!r}")
+        del distributor
+        after = settled_rss()
+        runs.append(
+            {
+                "run": index + 1,
+                "before_mib": before,
+                "peak_mib": sampler.peak_mib,
+                "after_mib": after,
+            }
+        )
+        log(
+            f"run {index + 1}/{args.runs}: before {before:.1f}, peak {sampler.peak_mib:.1f}, after {after:.1f} MiB"
+        )
+
+    afters = [r["after_mib"] for r in runs]
+    summary = {
+        "first_run_added_mib": afters[0] - rss["after_import"] if afters else None,
+        "peak_during_run_added_mib_max": max(r["peak_mib"] - r["before_mib"] for r in runs)
+        if runs
+        else None,
+        "after_last_minus_after_first_mib": afters[-1] - afters[0] if afters else None,
+        "slope_after_first_mib_per_run": slope(afters[1:]),
+        "jvm_rss_mib": jvm_rss_mib(),
+    }
+    print_table(
+        f"Driver RSS (MiB), {args.mode} mode, job {args.job}",
+        ["point", "RSS MiB"],
+        [[k, v] for k, v in rss.items()]
+        + [
+            [f"after run {r['run']} (peak during: {r['peak_mib']:.1f})", r["after_mib"]]
+            for r in runs
+        ],
+    )
+    print_table(
+        "Summary (MiB)",
+        ["figure", "value"],
+        [[k, v] for k, v in summary.items()],
+    )
+    common.write_results(
+        args.name,
+        {
+            "mode": args.mode,
+            "job": args.job,
+            "runs": args.runs,
+            "rss_mib": rss,
+            "per_run": runs,
+            "summary": summary,
+            "notes": (
+                "RSS read after gc.collect(); peaks sampled every 10 ms. 'first_run_added' includes "
+                "one-time costs (modules imported lazily by the first run); the slope over the later "
+                "runs is what a leak would show."
+            ),
+        },
+        machine,
+    )
+    if session is not None:
+        session.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
