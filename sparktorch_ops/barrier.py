@@ -1,10 +1,10 @@
 """What runs inside each Spark barrier task: one node's torchrun agent.
 
 Task 0 hosts the rendezvous store on a port it binds itself (port 0: no bind-and-release race
-with other jobs on the host) and keeps it for the whole run; every task learns the port through
-``BarrierTaskContext.allGather``. Each task then starts its agent with the task's GPUs, forwards
-the agent's output, and stops the agent's whole process tree when the driver closes the
-channel (cancel, timeout, a failed rank elsewhere, or a dead driver).
+with other jobs on the host) and keeps it for the whole run; every task learns the port from the
+driver, to which task 0 reports it over the channel. Each task then starts its agent with the
+task's GPUs, forwards the agent's output, and stops the agent's whole process tree when the
+driver closes the channel (cancel, timeout, a failed rank elsewhere, or a dead driver).
 """
 
 from __future__ import annotations
@@ -64,36 +64,48 @@ class BarrierTask:
             yield {"node": node, "host": "", "exit_code": None, "error": RETRIED_STAGE}
             return
         hosts = [channel.split_address(info.address)[0] for info in ctx.getTaskInfos()]
-        store, port, error = None, None, None
-        if node == 0:
-            try:
-                store, port = _host_rendezvous_store(hosts[0])
-            except Exception as exc:  # reported to every task through allGather
-                error = f"cannot host the rendezvous store on {hosts[0]}: {exc}"
-        first = json.loads(ctx.allGather(json.dumps({"port": port, "error": error}))[0])
-        try:
-            if first["error"]:
-                yield {
-                    "node": node,
-                    "host": hosts[node],
-                    "exit_code": None,
-                    "error": first["error"],
-                }
-                return
-            gpus = list(ctx.resources()["gpu"].addresses) if self.use_gpu else None
-            endpoint = channel.join_address(hosts[0], int(first["port"]))
-            code = self._run_agent(node, hosts[node], endpoint, gpus)
-            yield {"node": node, "host": hosts[node], "exit_code": code, "error": None}
-        finally:
-            del store
-
-    def _run_agent(self, node: int, host: str, endpoint: str, gpus: list[str] | None) -> int | None:
-        workdir = tempfile.mkdtemp(prefix=f"{self.run_id}-node{node}-")
+        gpus = list(ctx.resources()["gpu"].addresses) if self.use_gpu else None
         client = channel.ChannelClient.connect(
             self.channel_address,
             self.token,
-            {"role": "node", "node": node, "host": host, "attempt": 0, "pid": os.getpid()},
+            {"role": "node", "node": node, "host": hosts[node], "attempt": 0, "pid": os.getpid()},
         )
+        store = None
+        try:
+            # The port goes through the driver, which every task already talks to: Spark's
+            # allGather() would cost about a second.
+            if node == 0:
+                try:
+                    store, port = _host_rendezvous_store(hosts[0])
+                except Exception as exc:
+                    error = f"cannot host the rendezvous store on {hosts[0]}: {exc}"
+                    client.send_json(channel.RDZV, {"error": error})
+                    yield {"node": node, "host": hosts[node], "exit_code": None, "error": error}
+                    return
+                client.send_json(channel.RDZV, {"port": port})
+            else:
+                kind, payload = client.recv_frame()
+                if kind != channel.RDZV:
+                    raise channel.ChannelError(f"expected the rendezvous port, got frame {kind}")
+                port = int(json.loads(payload)["port"])
+            endpoint = channel.join_address(hosts[0], port)
+            code = self._run_agent(client, node, hosts[node], endpoint, gpus)
+            yield {"node": node, "host": hosts[node], "exit_code": code, "error": None}
+        except channel.ChannelError as exc:  # the driver stopped the run before it started
+            yield {"node": node, "host": hosts[node], "exit_code": None, "error": str(exc)}
+        finally:
+            client.close()
+            del store
+
+    def _run_agent(
+        self,
+        client: channel.ChannelClient,
+        node: int,
+        host: str,
+        endpoint: str,
+        gpus: list[str] | None,
+    ) -> int | None:
+        workdir = tempfile.mkdtemp(prefix=f"{self.run_id}-node{node}-")
         try:
             env = agent_env(
                 os.environ,
@@ -148,7 +160,6 @@ class BarrierTask:
                 watcher.join(_STORE_HOLD_S)
             return code
         finally:
-            client.close()
             shutil.rmtree(workdir, ignore_errors=True)
 
 

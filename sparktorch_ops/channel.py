@@ -21,7 +21,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sparktorch_ops.errors import ChannelError
@@ -34,6 +34,7 @@ RESULT_CHUNK = 5
 RESULT_END = 6
 EXIT = 7
 FAILURE = 8
+RDZV = 9  # task 0 -> driver: its rendezvous store's port; driver -> every task: the same
 
 _HEADER = struct.Struct("!BI")
 MAX_FRAME = 64 << 20
@@ -69,6 +70,7 @@ class Peer:
     conn_id: int
     hello: dict[str, Any]
     address: str
+    reply: Callable[[int, bytes], None] = field(default=lambda kind, payload: None, repr=False)
 
 
 class ChannelHandler:
@@ -276,9 +278,25 @@ class ChannelServer:
         ):
             self._reject(conn, "presented a wrong token")
             return False
-        conn.peer = Peer(conn_id=conn_id, hello=hello, address=conn.address)
+        conn.peer = Peer(
+            conn_id=conn_id,
+            hello=hello,
+            address=conn.address,
+            reply=lambda kind, payload: self._send_to(conn, kind, payload),
+        )
         self._handler.on_hello(conn.peer)
         return True
+
+    def _send_to(self, conn: _Connection, kind: int, payload: bytes) -> None:
+        # Only small control frames go this way, from the server thread itself.
+        try:
+            conn.sock.setblocking(True)
+            conn.sock.settimeout(5.0)
+            conn.sock.sendall(encode_frame(kind, payload))
+        except OSError:
+            self._close(conn)
+            return
+        conn.sock.setblocking(False)
 
     def _reject(self, conn: _Connection, why: str) -> None:
         self._log.warning(
@@ -364,6 +382,28 @@ class ChannelClient:
         for start in range(0, len(view), RESULT_CHUNK_SIZE):
             self.send(RESULT_CHUNK, view[start : start + RESULT_CHUNK_SIZE])
         self.send_json(RESULT_END, {"size": len(data)})
+
+    def recv_frame(self) -> tuple[int, bytes]:
+        """Block until the driver sends a frame.
+
+        Raises:
+            ChannelError: the driver closed the connection first.
+        """
+        header = self._recv_exact(_HEADER.size)
+        kind, length = _HEADER.unpack(header)
+        return kind, self._recv_exact(length)
+
+    def _recv_exact(self, size: int) -> bytes:
+        data = bytearray()
+        while len(data) < size:
+            try:
+                chunk = self._sock.recv(size - len(data))
+            except OSError as exc:
+                raise ChannelError(f"lost the driver's channel: {exc}") from exc
+            if not chunk:
+                raise ChannelError("the driver closed the channel")
+            data += chunk
+        return bytes(data)
 
     def wait_closed(self) -> None:
         """Block until the driver closes the connection (or it breaks)."""

@@ -81,6 +81,8 @@ class RunCollector(channel.ChannelHandler):
         self.open_peers: dict[int, dict[str, Any]] = {}
         self.nodes_exited: dict[int, int | None] = {}
         self.nodes_seen: set[int] = set()
+        self._node_peers: dict[int, channel.Peer] = {}
+        self._rendezvous: bytes | None = None
         self._retried = False
 
     # -- channel callbacks -------------------------------------------------------------------
@@ -96,6 +98,9 @@ class RunCollector(channel.ChannelHandler):
                 if node in self.nodes_seen:
                     self._retried = True
                 self.nodes_seen.add(node)
+                self._node_peers[peer.conn_id] = peer
+                if self._rendezvous is not None:
+                    peer.reply(channel.RDZV, self._rendezvous)
             if hello.get("role") == "supervisor":
                 state = self.ranks.setdefault(int(hello["rank"]), _RankState())
                 state.host = str(hello.get("host") or peer.address.rsplit(":", 1)[0])
@@ -126,6 +131,8 @@ class RunCollector(channel.ChannelHandler):
         elif kind == channel.FAILURE:
             record = json.loads(payload)
             self._fail(int(hello["rank"]), f"{record['type']}: {record['message']}".strip())
+        elif kind == channel.RDZV and role == "node":
+            self._rendezvous_ready(peer, json.loads(payload))
         elif kind == channel.EXIT:
             record = json.loads(payload)
             if role == "node":
@@ -138,6 +145,7 @@ class RunCollector(channel.ChannelHandler):
         hello = peer.hello
         with self._lock:
             self.open_peers.pop(peer.conn_id, None)
+            self._node_peers.pop(peer.conn_id, None)
         if int(hello.get("attempt", 0)) < self.attempt:
             return
         if hello.get("role") == "supervisor":
@@ -152,6 +160,17 @@ class RunCollector(channel.ChannelHandler):
                 self._fail(
                     AGENT, f"barrier task {node} on {hello.get('host')} was lost (executor died?)"
                 )
+
+    def _rendezvous_ready(self, peer: channel.Peer, record: dict[str, Any]) -> None:
+        """Task 0 hosts the store: pass its port to every task (those yet to connect too)."""
+        if record.get("error"):
+            self._fail(AGENT, str(record["error"]))
+            return
+        self._rendezvous = json.dumps({"port": int(record["port"])}).encode()
+        with self._lock:
+            peers = list(self._node_peers.values())
+        for node_peer in peers:
+            node_peer.reply(channel.RDZV, self._rendezvous)
 
     # -- state -------------------------------------------------------------------------------
     def _new_attempt(self, attempt: int) -> None:

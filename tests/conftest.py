@@ -3,6 +3,7 @@ and a check that a run left no process behind."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# py4j logs at INFO from __del__ at interpreter exit, after pytest closed its streams.
+logging.getLogger("py4j").setLevel(logging.WARNING)
 
 
 @pytest.fixture(scope="session")

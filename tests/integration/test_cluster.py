@@ -60,7 +60,7 @@ factor = 7
 def closure():
     return factor * int(os.environ["WORLD_SIZE"])
 
-d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark)
+d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark, start_timeout=120)
 out = {{}}
 out["main"] = d.run(main_fn, 1, b=2)
 out["closure"] = d.run(closure)
@@ -173,7 +173,9 @@ def layout():
     return everyone
 
 out = {{}}
-out["barrier"] = TorchDistributor(num_processes=4, local_mode=False, use_gpu=True, spark=spark).run(layout)
+out["barrier"] = TorchDistributor(
+    num_processes=4, local_mode=False, use_gpu=True, spark=spark, start_timeout=120
+).run(layout)
 out["local"] = TorchDistributor(num_processes=2, local_mode=True, use_gpu=True, spark=spark).run(layout)
 try:
     TorchDistributor(num_processes=6, local_mode=False, use_gpu=True, spark=spark).run(layout)
