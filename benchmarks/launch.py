@@ -326,7 +326,7 @@ CHECKPOINTS: dict[str, list[tuple[str, str, str]]] = {
         ("launcher start end", "driver: channel, submit the barrier job", MEASURED),
         (
             "hello node (last)",
-            "Spark: barrier tasks start, task 0 hosts the store, allGather, hello",
+            "Spark: barrier tasks start, hello; task 0 hosts the store, port via the driver",
             MEASURED,
         ),
         ("agent process start", "task: payload file, start the agent", PROC),
@@ -346,7 +346,7 @@ CHECKPOINTS: dict[str, list[tuple[str, str, str]]] = {
             MEASURED,
         ),
         ("exit node (last)", "torchrun agents notice the exits, exit barrier, exit", MEASURED),
-        ("spark barrier job end", "tasks: barrier(), results, Spark job completes", MEASURED),
+        ("spark barrier job end", "task 0 waits for the driver's close (store kept), Spark job completes", MEASURED),
         ("supervise end", "driver notices the job's end", POLLED),
         ("drain end", "driver: drain the channel", MEASURED),
         ("channel close end", "driver: unpickle the value, close the channel", MEASURED),

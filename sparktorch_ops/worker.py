@@ -48,7 +48,7 @@ def _exit_code(exc: SystemExit) -> int:
         return 0
     if isinstance(code, int):
         return code
-    print(code, file=sys.stderr)
+    sys.stderr.write(f"{code}\n")  # as the interpreter does for sys.exit("message")
     return 1
 
 
