@@ -190,9 +190,7 @@ class RunCollector(channel.ChannelHandler):
         if self._log_ranks is not None and rank not in self._log_ranks:
             return
         level = logging.INFO if kind == channel.STDOUT else logging.WARNING
-        prefix = f"[rank {rank}|{state.host}]"
-        for line in lines:
-            self._log.log(level, "%s %s", prefix, line)
+        self._emit(level, f"[rank {rank}|{state.host}]", lines)
 
     def _agent_lines(self, node: int, host: str, kind: int, lines: list[str]) -> None:
         self.agent_tail.extend(lines)
@@ -201,9 +199,19 @@ class RunCollector(channel.ChannelHandler):
             level = logging.DEBUG
         else:
             level = logging.INFO if kind == channel.STDOUT else logging.WARNING
-        prefix = f"[torchrun node {node}|{host}]"
+        self._emit(level, f"[torchrun node {node}|{host}]", lines)
+
+    def _emit(self, level: int, prefix: str, lines: list[str]) -> None:
+        log = self._log
+        if not isinstance(log, logging.Logger):  # adapters, structlog, Airflow's task logger
+            for line in lines:
+                log.log(level, "%s %s", prefix, line)
+            return
+        if not log.isEnabledFor(level):
+            return
+        # Records made directly: Logger.log would walk the stack (findCaller) for every line.
         for line in lines:
-            self._log.log(level, "%s %s", prefix, line)
+            log.handle(log.makeRecord(log.name, level, __file__, 0, "%s %s", (prefix, line), None))
 
     def agent_output(self, node: int, host: str, stderr: bool) -> Callable[[list[str]], None]:
         """An ``emit`` for :func:`~sparktorch_ops.process.pump_lines` of a local agent."""

@@ -68,13 +68,14 @@ class LineSplitter:
         """Add bytes; return the lines they completed."""
         lines: list[str] = []
         self._partial += data
-        while True:
-            newline = self._partial.find(b"\n")
-            if newline < 0:
-                break
-            raw = bytes(self._partial[:newline])
+        newline = self._partial.rfind(b"\n")
+        if newline >= 0:
+            # Whole chunks are decoded at once: '\n' never occurs inside a UTF-8 sequence.
+            complete = bytes(self._partial[:newline])
             del self._partial[: newline + 1]
-            lines.append(_decode(_latest_redraw(raw)))
+            lines = complete.decode("utf-8", errors="replace").split("\n")
+            if b"\r" in complete:
+                lines = [_latest_redraw_text(line) for line in lines]
         if b"\r" in self._partial:
             latest = _latest_redraw(bytes(self._partial))
             self._partial = bytearray(latest)
@@ -99,6 +100,11 @@ def _latest_redraw(raw: bytes) -> bytes:
     stripped = raw.rstrip(b"\r")
     cut = stripped.rfind(b"\r")
     return stripped[cut + 1 :] if cut >= 0 else stripped
+
+
+def _latest_redraw_text(line: str) -> str:
+    stripped = line.rstrip("\r")
+    return stripped.rpartition("\r")[2]
 
 
 def _decode(raw: bytes) -> str:

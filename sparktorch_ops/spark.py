@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 _PYTHON_SETTING = "PYSPARK_PYTHON (or spark.pyspark.python)"
+# Executors that passed the probe, by (application id, executor ids): a new executor is probed.
+_PROBED: dict[tuple[str, str], list[dict[str, Any]]] = {}
 
 
 def is_connect_session(spark: Any) -> bool:
@@ -62,7 +64,8 @@ def session_for_barrier(spark: Any) -> SparkSession:
 
 def conf_value(sc: SparkContext, key: str) -> str | None:
     """A Spark conf value, or None."""
-    value = sc.getConf().get(key)
+    # The context's own conf: sc.getConf() would copy every setting over py4j, each call.
+    value = sc._conf.get(key)
     return None if value is None else str(value)
 
 
@@ -160,6 +163,8 @@ def wait_for_slots(
 def probe_executors(sc: SparkContext, num_tasks: int) -> list[dict[str, Any]]:
     """Run a small non-barrier job that checks the executors' Python and imports.
 
+    Done once per set of executors of an application (a replaced executor is probed again).
+
     Raises:
         ConfigError: naming PYSPARK_PYTHON, for another Python version or missing packages.
     """
@@ -167,6 +172,9 @@ def probe_executors(sc: SparkContext, num_tasks: int) -> list[dict[str, Any]]:
 
     from sparktorch_ops import _probe
 
+    executors = (sc.applicationId, str(sc._jsc.sc().getExecutorIds().toString()))
+    if executors in _PROBED:
+        return _PROBED[executors]
     driver_python = f"{sys.version_info.major}.{sys.version_info.minor}"
     spark_cloudpickle.register_pickle_by_value(_probe)
     try:
@@ -204,6 +212,7 @@ def probe_executors(sc: SparkContext, num_tasks: int) -> list[dict[str, Any]]:
                 f"import: {missing}. Install sparktorch-ops (with torch) there, or set "
                 f"{_PYTHON_SETTING} to an interpreter that has them",
             )
+    _PROBED[executors] = found
     return found
 
 
