@@ -148,11 +148,6 @@ class ChannelServer:
         )
         self._thread.start()
 
-    @property
-    def open_connections(self) -> int:
-        """How many authenticated clients are connected now."""
-        return sum(1 for c in list(self._connections.values()) if c.peer is not None)
-
     def close(self, timeout: float = 10.0) -> None:
         """Close every connection and the listener; wait for the server thread. Idempotent."""
         self._stopping = True
