@@ -171,7 +171,7 @@ def instrument_ours(recorder: Recorder) -> None:
     recorder.wrap(channel.ChannelServer, "drain", "drain")
     recorder.wrap(channel.ChannelServer, "close", "channel close")
     recorder.wrap(launchers.LocalLauncher, "teardown", "teardown")
-    recorder.wrap(launchers.BarrierLauncher, "wait_stopped", "teardown")
+    recorder.wrap(launchers.BarrierLauncher, "finish", "teardown")
 
     on_hello = collector.RunCollector.on_hello
     on_frame = collector.RunCollector.on_frame
@@ -350,7 +350,7 @@ CHECKPOINTS: dict[str, list[tuple[str, str, str]]] = {
         ("supervise end", "driver notices the job's end", POLLED),
         ("drain end", "driver: drain the channel", MEASURED),
         ("channel close end", "driver: unpickle the value, close the channel", MEASURED),
-        ("returned", "driver: wait_stopped, build the RunResult", MEASURED),
+        ("returned", "driver: wait for the job's end, build the RunResult", MEASURED),
     ],
     "pyspark_local": [
         ("pyspark wrapper start", "pyspark: pickle to a file, start its wrapper process", PROC),

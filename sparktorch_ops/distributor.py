@@ -301,9 +301,7 @@ class _Run:
         finally:
             server.close()
             if launcher is not None:
-                launcher.wait_stopped(30.0)
-                if isinstance(launcher, LocalLauncher):
-                    launcher.teardown()
+                launcher.finish()
         return RunResult(
             value=value,
             exit_codes=collector.exit_codes(),

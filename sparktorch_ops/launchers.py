@@ -92,8 +92,9 @@ class LocalLauncher:
         self._agent.finish_output()
         return code, "" if code == 0 else f"torchrun exited with code {code}"
 
-    def wait_stopped(self, timeout: float) -> None:
-        pass  # teardown() already waited for the process tree
+    def finish(self) -> None:
+        """After the run, however it ended: no straggler, no work directory."""
+        self.teardown()
 
     def teardown(self) -> None:
         self._agent.terminate(grace=3.0)
@@ -184,9 +185,13 @@ class BarrierLauncher:
             self._sc.cancelJobsWithTag(self._tag)
         except Exception:  # the channel closing stops the tasks' agents all the same
             pass
-        self.wait_stopped(5.0)
+        self._wait_stopped(5.0)
 
-    def wait_stopped(self, timeout: float) -> None:
+    def finish(self) -> None:
+        """After the run, however it ended: wait (bounded) for the Spark job to be over."""
+        self._wait_stopped(30.0)
+
+    def _wait_stopped(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not self._done.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
