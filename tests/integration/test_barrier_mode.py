@@ -10,17 +10,9 @@ from typing import Any
 import pytest
 
 from sparktorch_ops import ConfigError, ResourceError, TorchDistributor, TrainingFailedError
+from tests.support.procs import ENV_CONTRACT
 
-ENV_KEYS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "OMP_NUM_THREADS",
-    "GROUP_RANK",
-)
+ENV_KEYS = ENV_CONTRACT
 
 
 def gather_env(tag: str, *, delay_rank: int = 1) -> dict[str, Any]:

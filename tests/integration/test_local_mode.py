@@ -19,16 +19,9 @@ from sparktorch_ops import (
     report,
 )
 from tests.support.driver import run_driver
+from tests.support.procs import ENV_CONTRACT
 
-ENV_KEYS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "OMP_NUM_THREADS",
-)
+ENV_KEYS = ENV_CONTRACT
 
 
 def gather_env(tag: str, bad_bytes: bool = False) -> dict[str, Any]:

@@ -67,7 +67,7 @@ def _wait_for_workers(web_ui: str, workers: int, timeout: float) -> None:
                 alive = [w for w in state.get("workers", []) if w.get("state") == "ALIVE"]
                 if len(alive) >= workers:
                     return
-        except OSError:
+        except (OSError, ValueError):  # not up yet, or a half-started UI's empty reply
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{workers} Spark workers did not register within {timeout} s")

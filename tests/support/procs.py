@@ -8,6 +8,18 @@ import psutil
 
 from sparktorch_ops.planning import RUN_ID_ENV
 
+# What every rank must see, as torchrun sets it (plus the threads we set).
+ENV_CONTRACT = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+)
+
 
 def processes_with_marker(run_id: str | None = None) -> list[psutil.Process]:
     """Live processes whose environment carries the run marker (any run when run_id is None)."""
