@@ -5,6 +5,7 @@ Nothing here does I/O; every function is tested by exact equality.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -207,6 +208,36 @@ def select_local_gpus(
             "use_gpu=False to run on CPU",
         )
     return available[:num_processes]
+
+
+_LOCAL_MASTER = re.compile(r"local(\[[^\]]*\])?")
+_LOCAL_CLUSTER_MASTER = re.compile(r"local-cluster\[\s*(\d+)\s*,.*\]")
+
+
+def registration_grace(master: str, app_age_s: float, waiting_time_s: float) -> float:
+    """Seconds left to wait for executors that a young application has not seen register yet.
+
+    Executors of a cluster application register a few seconds after the session starts; Spark's
+    own scheduler waits for them up to ``spark.scheduler.maxRegisteredResourcesWaitingTime``
+    after start-up, so a run launched right after ``getOrCreate()`` does the same instead of
+    failing on "0 slots". ``local[N]`` has its slots from the start and gets no grace, so too
+    few slots there still fail at once.
+    """
+    if _LOCAL_MASTER.fullmatch(master.strip()):
+        return 0.0
+    return max(0.0, waiting_time_s - app_age_s)
+
+
+def expected_executors(master: str, executor_instances: str | None) -> int | None:
+    """How many executors the application will get, where Spark says it (else None).
+
+    Lets the start-up wait end as soon as they have all registered, so that too few slots on a
+    fixed-size cluster still fail within seconds.
+    """
+    if executor_instances is not None and executor_instances.strip().isdigit():
+        return int(executor_instances)
+    local_cluster = _LOCAL_CLUSTER_MASTER.fullmatch(master.strip())
+    return int(local_cluster.group(1)) if local_cluster else None
 
 
 def check_slots(required_tasks: int, available_slots: int, *, waited: bool) -> None:

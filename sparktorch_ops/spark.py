@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sparktorch_ops.errors import ConfigError, StartTimeoutError
-from sparktorch_ops.planning import check_slots
+from sparktorch_ops.planning import check_slots, expected_executors, registration_grace
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
@@ -130,34 +130,55 @@ def available_slots(sc: SparkContext) -> int:
     return int(jsc.maxNumConcurrentTasks(profile))
 
 
+def _registration_grace_s(sc: SparkContext) -> float:
+    """How long this application may still wait for its executors to register (see planning)."""
+    jconf = sc._jsc.sc().conf()
+    waiting_ms = int(jconf.getTimeAsMs("spark.scheduler.maxRegisteredResourcesWaitingTime", "30s"))
+    app_age_s = max(0.0, time.time() - sc.startTime / 1000)
+    return registration_grace(sc.master or "", app_age_s, waiting_ms / 1000)
+
+
+def _all_executors_registered(sc: SparkContext) -> bool:
+    expected = expected_executors(sc.master or "", conf_value(sc, "spark.executor.instances"))
+    # getExecutorIds lists executors only, never the driver.
+    return expected is not None and int(sc._jsc.sc().getExecutorIds().size()) >= expected
+
+
 def wait_for_slots(
     sc: SparkContext,
     required_tasks: int,
     start_timeout: float | None,
     cancelled: Callable[[], bool],
 ) -> None:
-    """Check the slots now, or poll until ``start_timeout`` for executors to register.
+    """Wait until the cluster has ``required_tasks`` barrier slots, or fail before launch.
+
+    Without ``start_timeout`` a run waits only while a just-started application's executors
+    may still be registering (Spark's own start-up wait, cut short once every executor Spark
+    expects is there); with it, up to ``start_timeout``.
 
     Raises:
         ResourceError: too few slots and no start_timeout.
         StartTimeoutError: still too few when start_timeout ran out.
     """
+    wait_s = _registration_grace_s(sc) if start_timeout is None else start_timeout
+    deadline = time.monotonic() + wait_s
     slots = available_slots(sc)
-    if start_timeout is None:
-        check_slots(required_tasks, slots, waited=False)
-        return
-    deadline = time.monotonic() + start_timeout
-    while slots < required_tasks:
+    while slots < required_tasks and time.monotonic() < deadline:
         if cancelled():
             return
-        if time.monotonic() >= deadline:
-            raise StartTimeoutError(
-                "start_timeout",
-                start_timeout,
-                f"the run needs {required_tasks} barrier task slots but only {slots} registered",
-            )
-        time.sleep(0.5)
+        if start_timeout is None and _all_executors_registered(sc):
+            break
+        time.sleep(0.25)
         slots = available_slots(sc)
+    if slots >= required_tasks:
+        return
+    if start_timeout is not None:
+        raise StartTimeoutError(
+            "start_timeout",
+            start_timeout,
+            f"the run needs {required_tasks} barrier task slots but only {slots} registered",
+        )
+    check_slots(required_tasks, slots, waited=False)
 
 
 def probe_executors(sc: SparkContext, num_tasks: int) -> list[dict[str, Any]]:

@@ -60,7 +60,8 @@ factor = 7
 def closure():
     return factor * int(os.environ["WORLD_SIZE"])
 
-d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark, start_timeout=120)
+# No start_timeout: the first run right after getOrCreate() waits for the executors to register.
+d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark)
 out = {{}}
 out["main"] = d.run(main_fn, 1, b=2)
 out["closure"] = d.run(closure)
@@ -196,3 +197,53 @@ emit(out)
     ]
     assert result["too_many"][0] == "ResourceError"
     assert "num_processes" in result["too_many"][1]
+
+
+def test_a_fresh_application_waits_for_its_executors_but_not_for_missing_ones(
+    tmp_path: Path,
+) -> None:
+    """Executors register seconds after getOrCreate(): a run launched at once must wait for them
+    (no start_timeout needed), and a run needing more slots than the cluster will ever have must
+    still fail once every expected executor is there, not after Spark's whole start-up wait."""
+    result, output = run_driver(
+        tmp_path,
+        """
+import time
+from pyspark.sql import SparkSession
+from sparktorch_ops import TorchDistributor, ResourceError
+
+def fresh_session(**conf):
+    builder = (SparkSession.builder.master("local-cluster[2,1,1024]")
+               .config("spark.driver.host", "127.0.0.1")
+               .config("spark.ui.showConsoleProgress", "false"))
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()
+
+def world():
+    import os
+    return int(os.environ["WORLD_SIZE"])
+
+out = {}
+spark = fresh_session()
+out["executors_at_launch"] = int(spark.sparkContext._jsc.sc().getExecutorIds().size())
+out["world"] = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark).run(world)
+spark.stop()
+
+spark = fresh_session(**{"spark.scheduler.maxRegisteredResourcesWaitingTime": "600s"})
+started = time.monotonic()
+try:
+    TorchDistributor(num_processes=3, local_mode=False, use_gpu=False, spark=spark).run(world)
+except ResourceError as exc:
+    out["too_many"] = {"argument": exc.argument, "error": str(exc),
+                       "seconds": time.monotonic() - started}
+spark.stop()
+emit(out)
+""",
+    )
+    assert result["world"] == 2, output
+    too_many = result["too_many"]
+    assert too_many["argument"] == "num_processes"
+    assert "needs 3 barrier task slots" in too_many["error"] and "has 2" in too_many["error"]
+    # Bound only to prove it did not sit out the 600 s start-up wait.
+    assert too_many["seconds"] < 120
