@@ -27,6 +27,9 @@ def main() -> None:
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     from torch.distributed.run import main as torchrun_main
 
+    # Imported here so that every forked rank finds them (and torch) loaded already.
+    import sparktorch_ops.bootstrap  # noqa: F401
+
     torchrun_main(sys.argv[2:])
 
 

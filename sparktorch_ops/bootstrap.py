@@ -1,27 +1,30 @@
 """The program torchrun starts for each rank: it supervises the rank process.
 
-It connects to the driver's channel, starts :mod:`sparktorch_ops.worker` (the user's code) with
-its output piped, forwards every line of it to the driver, and reports how it exited. The rank
-process dies with this one (``PR_SET_PDEATHSIG``), and this one stops it when its own parent
-(torchrun's agent) dies or the driver closes the channel, so nothing outlives the run.
+torchrun runs this file in a child forked from the agent (``--run-path``), so ``torch`` is
+already imported. It connects to the driver's channel, forks the rank process, which runs
+:mod:`sparktorch_ops.worker` (the user's code) with its output piped, forwards every line of it
+to the driver, and reports how it exited. The rank process dies with this one
+(``PR_SET_PDEATHSIG``), and this one stops it when its own parent (torchrun's agent) dies or the
+driver closes the channel, so nothing outlives the run. With ``--start-method=spawn`` in
+``torchrun_args`` the same happens in a fresh interpreter per rank.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 from typing import Any
 
-from sparktorch_ops import channel
+from sparktorch_ops import channel, worker
 from sparktorch_ops.planning import CHANNEL_ENV, NODE_HOST_ENV, TOKEN_ENV
 from sparktorch_ops.process import (
+    ForkedChild,
     die_with_parent,
     pump_lines,
-    set_parent_death_signal,
+    set_process_name,
     start_parent_watchdog,
 )
 from sparktorch_ops.results import signal_name
@@ -35,18 +38,18 @@ class Supervisor:
 
     def __init__(self, client: channel.ChannelClient) -> None:
         self.client = client
-        self.child: subprocess.Popen[bytes] | None = None
+        self.child: ForkedChild | None = None
         self.finishing = False
 
     def start(self) -> None:
-        """Start the rank process (before any thread exists: preexec_fn must not race)."""
-        self.child = subprocess.Popen(
-            [sys.executable, "-u", "-m", "sparktorch_ops.worker"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL),
-        )
+        """Fork the rank process (before this process starts any thread of its own)."""
+
+        def run_rank() -> int:
+            self.client.release_in_child()
+            set_process_name(f"torch-rank-{os.environ['RANK']}")
+            return worker.run_forked()
+
+        self.child = ForkedChild(run_rank)
 
     def stop_child(self, signum: int = signal.SIGTERM) -> None:
         """Signal the rank process; SIGKILL it if it is still there after the grace period."""
@@ -110,9 +113,14 @@ class Supervisor:
 
 
 def main() -> None:
-    """Entry point of ``python -m sparktorch_ops.bootstrap RUN_ID``."""
+    """Entry point (``sys.argv[1]`` is the run id, a marker for the process table).
+
+    Returns normally when the rank succeeded: torchrun's ``--run-path`` mode takes a return, not
+    ``sys.exit(0)``, as success.
+    """
     agent_pid = int(os.environ.get(AGENT_PID_ENV, os.getppid()))
     die_with_parent(signal.SIGTERM, agent_pid)
+    set_process_name(f"torch-sup-{os.environ['RANK']}")
     hello = {
         "role": "supervisor",
         "rank": int(os.environ["RANK"]),
@@ -132,7 +140,8 @@ def main() -> None:
     if returncode < 0:  # die the way the rank died, so torchrun reports the same signal
         signal.signal(-returncode, signal.SIG_DFL)
         os.kill(os.getpid(), -returncode)
-    sys.exit(returncode)
+    if returncode != 0:
+        sys.exit(returncode)
 
 
 if __name__ == "__main__":

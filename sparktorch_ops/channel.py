@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextvars
 import hmac
 import json
+import os
 import selectors
 import socket
 import struct
@@ -408,6 +409,12 @@ class ChannelClient:
         except OSError:
             pass
         self.closed = True
+
+    def release_in_child(self) -> None:
+        """In a forked child: drop the inherited copy of the connection, leaving it open for
+        the parent (a shutdown would end it for both)."""
+        self.closed = True
+        os.close(self._sock.detach())
 
     def close(self) -> None:
         """Close the connection. Idempotent."""

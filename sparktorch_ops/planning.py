@@ -5,6 +5,7 @@ Nothing here does I/O; every function is tested by exact equality.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,11 @@ PAYLOAD_ENV = "SPARKTORCH_OPS_PAYLOAD"
 NODE_HOST_ENV = "SPARKTORCH_OPS_HOST"
 
 AGENT_MODULE = "sparktorch_ops.agent"
-BOOTSTRAP_MODULE = "sparktorch_ops.bootstrap"
+# torchrun runs this file in the agent's own interpreter (--run-path) in a forked child.
+BOOTSTRAP_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap.py")
+# Ranks are forked from the agent, which has already imported torch (DESIGN section 9);
+# torchrun_args may say --start-method=spawn to give each rank a fresh interpreter instead.
+DEFAULT_START_METHOD = "fork"
 
 
 @dataclass(frozen=True)
@@ -55,8 +60,9 @@ def agent_argv(
     """The command line of one node's torchrun agent.
 
     The agent is ``torch.distributed.run`` itself, entered through ``sparktorch_ops.agent`` so
-    that it dies with its parent. Every rank runs ``sparktorch_ops.bootstrap``, which runs the
-    user's function or script.
+    that it dies with its parent. Every rank runs ``sparktorch_ops.bootstrap`` in torchrun's
+    ``--run-path`` mode, forked from the agent (``--start-method``, which ``extra_args`` may
+    override), and the bootstrap forks the process that runs the user's function or script.
 
     Args:
         python: the interpreter on the node.
@@ -91,8 +97,9 @@ def agent_argv(
     ]
     if conf:
         argv.append(f"--rdzv-conf={','.join(conf)}")
+    argv.extend(["--run-path", f"--start-method={DEFAULT_START_METHOD}"])
     argv.extend(extra_args)
-    argv.extend(["-m", BOOTSTRAP_MODULE, run_id])
+    argv.extend([BOOTSTRAP_SCRIPT, run_id])
     return tuple(argv)
 
 

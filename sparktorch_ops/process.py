@@ -6,14 +6,17 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from typing import IO
 
 import psutil
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 _libc: ctypes.CDLL | None
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
@@ -30,6 +33,13 @@ def set_parent_death_signal(signum: int) -> None:
     """Ask Linux to send ``signum`` to this process when its parent thread exits."""
     if _libc is not None:
         _libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
+
+
+def set_process_name(name: str) -> None:
+    """Name this process in ``ps -o comm``/``top`` (15 bytes): forked ranks share the agent's
+    command line, so the name is what tells them apart."""
+    if _libc is not None:
+        _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
 def die_with_parent(signum: int, expected_parent: int) -> None:
@@ -128,6 +138,68 @@ def pump_lines(stream: IO[bytes], emit: Callable[[list[str]], None]) -> None:
     tail = splitter.finish()
     if tail:
         emit(tail)
+
+
+class ForkedChild:
+    """A child made with ``os.fork`` whose output is piped back, with a ``Popen``-like surface.
+
+    Only the thread that calls :meth:`wait` reaps the child; other threads may signal it until
+    ``returncode`` is set.
+    """
+
+    def __init__(self, run_child: Callable[[], int]) -> None:
+        """Fork; the child dies with this process, gets the pipes as fd 1 and 2 and /dev/null
+        as stdin, runs ``run_child`` and exits with its status (1 if it raises)."""
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # else buffered text would be written twice, once by the child
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child; covered through the rank tests
+            code = 1
+            try:
+                set_parent_death_signal(signal.SIGKILL)
+                if os.getppid() == 1:
+                    os._exit(code)
+                null = os.open(os.devnull, os.O_RDONLY)
+                for target, source in ((0, null), (1, out_write), (2, err_write)):
+                    os.dup2(source, target)
+                for fd in (null, out_read, out_write, err_read, err_write):
+                    os.close(fd)
+                code = run_child()
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(out_write)
+        os.close(err_write)
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdout = os.fdopen(out_read, "rb", buffering=0)
+        self.stderr = os.fdopen(err_read, "rb", buffering=0)
+
+    def poll(self) -> int | None:
+        """The exit status once :meth:`wait` has reaped the child, else None."""
+        return self.returncode
+
+    def wait(self) -> int:
+        """Reap the child; its exit code, or ``-signal`` when a signal killed it."""
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        """Signal the child unless it has been reaped (its pid could be someone else's)."""
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        """SIGKILL the child."""
+        self.send_signal(signal.SIGKILL)
 
 
 def tree_of(pid: int) -> list[psutil.Process]:

@@ -1,14 +1,19 @@
 """The rank process: runs the user's function or script.
 
-Started by :mod:`sparktorch_ops.bootstrap` (which forwards this process's output to the driver).
-It opens its own channel connection for metrics, the failure record and rank 0's result.
+Forked by :mod:`sparktorch_ops.bootstrap` (which forwards this process's output to the driver)
+and entered through :func:`run_forked`. It opens its own channel connection for metrics, the
+failure record and rank 0's result.
 """
 
 from __future__ import annotations
 
+import atexit
+import io
 import os
 import runpy
+import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -71,7 +76,7 @@ def run_payload(record: dict[str, Any], client: channel.ChannelClient, rank: int
 
 
 def main() -> int:
-    """Entry point of ``python -m sparktorch_ops.worker``."""
+    """Run this rank's payload and report it; returns the exit code."""
     hello = _hello()
     client = channel.ChannelClient.connect(os.environ[CHANNEL_ENV], os.environ[TOKEN_ENV], hello)
     reporting.install(client)
@@ -104,5 +109,47 @@ def main() -> int:
     return code
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+# Handlers torchrun's agent installs, which a forked rank must not keep.
+_INHERITED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _start_like_a_fresh_interpreter() -> None:
+    """Undo what a fork inherits from the agent that a new ``python -u`` would not have."""
+    for signum in _INHERITED_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    atexit._clear()  # the agent's exit handlers are not the rank's
+    sys.stdin = open(os.devnull)  # noqa: SIM115 - lives as long as the process
+    # Unbuffered, as ``python -u``: every line reaches the supervisor's pipe at once.
+    sys.stdout = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), write_through=True, errors="backslashreplace"
+    )
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
+    )
+    sys.argv = [__file__]
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        # The OpenMP runtime read the agent's environment when torch was imported there.
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+def _finish_like_an_interpreter() -> None:
+    """What interpreter exit does before the process ends: wait for non-daemon threads, then
+    run the exit handlers that the user's code registered."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+
+
+def run_forked() -> int:
+    """The rank process's entry in a child forked from the supervisor. Returns the exit code."""
+    _start_like_a_fresh_interpreter()
+    code = main()
+    _finish_like_an_interpreter()
+    return code

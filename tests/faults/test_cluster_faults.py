@@ -53,7 +53,8 @@ def scenario(name, fn, kill):
     return outcome
 
 def ancestor(pid, text):
-    return next(p for p in psutil.Process(pid).parents() if text in " ".join(p.cmdline()))
+    # The topmost match: forked ranks and supervisors share their agent's command line.
+    return [p for p in psutil.Process(pid).parents() if text in " ".join(p.cmdline())][-1]
 
 out = {{}}
 out["raise"] = scenario("raise", fail_after_ready, lambda d, pids: None)

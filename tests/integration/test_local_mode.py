@@ -252,3 +252,50 @@ def test_cancel_while_the_call_is_being_packed() -> None:
     distributor.cancel()
     thread.join(60)
     assert isinstance(outcome.get("error"), TrainingCancelledError), outcome
+
+
+def fresh_interpreter_facts(marker_dir: str) -> dict[str, Any]:
+    """What a rank sees of its own process; leaves an exit handler and a non-daemon thread."""
+    import atexit
+    import signal
+    import threading
+
+    import torch
+
+    rank = int(os.environ["RANK"])
+    atexit.register(lambda: Path(marker_dir, f"atexit-{rank}").write_text("ran"))
+
+    def finish_late() -> None:
+        time.sleep(1.0)
+        Path(marker_dir, f"thread-{rank}").write_text("joined")
+
+    threading.Thread(target=finish_late).start()
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        "stdin": sys.stdin.read(),
+        "name": Path("/proc/self/comm").read_text().strip(),
+    }
+
+
+@pytest.mark.parametrize("torchrun_args", [[], ["--start-method=spawn"]], ids=["fork", "spawn"])
+def test_ranks_start_and_end_like_fresh_interpreters(
+    tmp_path: Path, torchrun_args: list[str]
+) -> None:
+    """Ranks are forked from the agent (or, with --start-method=spawn, from a fresh supervisor):
+    either way a rank must look like a new ``python -u`` and end like one."""
+    facts = TorchDistributor(
+        num_processes=2, local_mode=True, use_gpu=False, torchrun_args=torchrun_args
+    ).run(fresh_interpreter_facts, str(tmp_path))
+    expected_threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // 2))
+    assert facts == {
+        "torch_threads": int(expected_threads),
+        "sigterm_default": True,
+        "sigint_raises": True,
+        "stdin": "",
+        "name": "torch-rank-0",
+    }
+    for rank in (0, 1):  # the run ended only after each rank's thread and exit handlers
+        assert (tmp_path / f"thread-{rank}").read_text() == "joined"
+        assert (tmp_path / f"atexit-{rank}").read_text() == "ran"

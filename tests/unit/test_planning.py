@@ -25,9 +25,10 @@ def test_local_agent_argv_is_exact() -> None:
         "/py", "-m", "sparktorch_ops.agent", "run1",
         "--nnodes=1", "--nproc-per-node=4", "--rdzv-backend=c10d",
         "--rdzv-endpoint=127.0.0.1:0", "--rdzv-id=run1", "--max-restarts=0",
-        "--local-addr=127.0.0.1", "--monitor-interval=0.5",
-        "-m", "sparktorch_ops.bootstrap", "run1",
+        "--local-addr=127.0.0.1", "--run-path", "--start-method=fork",
+        "--monitor-interval=0.5", planning.BOOTSTRAP_SCRIPT, "run1",
     )  # fmt: skip
+    assert planning.BOOTSTRAP_SCRIPT.endswith("/sparktorch_ops/bootstrap.py")
 
 
 def test_barrier_agent_argv_never_hosts_the_store_and_bounds_the_join() -> None:
@@ -48,7 +49,7 @@ def test_barrier_agent_argv_never_hosts_the_store_and_bounds_the_join() -> None:
         "--nnodes=3", "--nproc-per-node=2", "--rdzv-backend=c10d",
         "--rdzv-endpoint=10.0.0.5:41234", "--rdzv-id=r", "--max-restarts=2",
         "--local-addr=10.0.0.7", "--rdzv-conf=is_host=false,join_timeout=45",
-        "-m", "sparktorch_ops.bootstrap", "r",
+        "--run-path", "--start-method=fork", planning.BOOTSTRAP_SCRIPT, "r",
     )  # fmt: skip
 
 
