@@ -46,7 +46,7 @@ def process_start_time(pid: int, boot: float | None = None) -> float:
 
 
 def process_chain(depth: int = 8) -> list[dict[str, Any]]:
-    """This process and its ancestors: pid, start time and command line (newest first)."""
+    """This process and its ancestors: pid, start time, command line, name (newest first)."""
     boot = _boot_time()
     chain = []
     pid = os.getpid()
@@ -57,6 +57,8 @@ def process_chain(depth: int = 8) -> list[dict[str, Any]]:
             fields = _stat_fields(pid)
             with open(f"/proc/{pid}/cmdline", "rb") as handle:
                 cmdline = handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            with open(f"/proc/{pid}/comm") as comm:
+                name = comm.read().strip()
         except OSError:
             break
         chain.append(
@@ -64,6 +66,7 @@ def process_chain(depth: int = 8) -> list[dict[str, Any]]:
                 "pid": pid,
                 "start": boot + int(fields[19]) / _clock_ticks(),
                 "cmdline": cmdline[:300],
+                "name": name,
             }
         )
         pid = int(fields[1])

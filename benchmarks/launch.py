@@ -195,11 +195,18 @@ def instrument_ours(recorder: Recorder) -> None:
     recorder.replace(collector.RunCollector, "on_frame", frame)
 
 
-def _find(chain: list[dict[str, Any]], *needles: str) -> dict[str, Any] | None:
-    for entry in chain:
-        if any(n in entry["cmdline"] for n in needles):
-            return entry
-    return None
+def _find(
+    chain: list[dict[str, Any]], *needles: str, topmost: bool = False
+) -> dict[str, Any] | None:
+    """The first entry (newest first, or the topmost) whose name or command line has a needle.
+
+    Our supervisors and ranks are forked from the agent: they share its command line and are
+    told apart by their process names (``torch-sup-N``, ``torch-rank-N``).
+    """
+    found = [e for e in chain if any(n in e["cmdline"] or n in e["name"] for n in needles)]
+    if not found:
+        return None
+    return found[-1] if topmost else found[0]
 
 
 def rank_events(records: list[dict[str, Any]]) -> dict[str, float]:
@@ -213,11 +220,11 @@ def rank_events(records: list[dict[str, Any]]) -> dict[str, float]:
     for record in records:
         chain = record["chain"]
         user = chain[0]
-        agent = _find(chain, "sparktorch_ops.agent", "torch.distributed.run")
+        agent = _find(chain, "sparktorch_ops.agent", "torch.distributed.run", topmost=True)
         add("agent process start", agent["start"] if agent else None)
         wrapper = _find(chain, "torch_run_process_wrapper")
         add("pyspark wrapper start", wrapper["start"] if wrapper else None)
-        supervisor = _find(chain, "sparktorch_ops.bootstrap")
+        supervisor = _find(chain, "torch-sup-")
         add("rank supervisor start", supervisor["start"] if supervisor else None)
         add("rank process start", user["start"])
         for mark, value in record["marks"].items():
@@ -292,17 +299,17 @@ CHECKPOINTS: dict[str, list[tuple[str, str, str]]] = {
         ("agent process start", "exec of the agent process", PROC),
         (
             "rank supervisor start",
-            "torchrun agent: interpreter, import torch, rendezvous, spawn",
+            "torchrun agent: interpreter, import torch, rendezvous, fork",
             PROC,
         ),
-        ("hello supervisor (last)", "supervisor: interpreter, imports, channel hello", MEASURED),
-        ("rank process start", "supervisor: start the rank process", PROC),
-        ("hello worker (last)", "rank: interpreter, imports, channel hello", MEASURED),
+        ("hello supervisor (last)", "supervisor: channel hello", MEASURED),
+        ("rank process start", "supervisor: fork the rank process", PROC),
+        ("hello worker (last)", "rank: channel hello", MEASURED),
         *_RANK_STEPS,
         ("result arrived", "rank 0: pickle and send the result", MEASURED),
         (
             "exit supervisor (last)",
-            "ranks exit (interpreter shutdown), supervisors report",
+            "ranks exit, supervisors report",
             MEASURED,
         ),
         ("supervise end", "torchrun agent notices the exits and exits", POLLED),
@@ -332,21 +339,25 @@ CHECKPOINTS: dict[str, list[tuple[str, str, str]]] = {
         ("agent process start", "task: payload file, start the agent", PROC),
         (
             "rank supervisor start",
-            "torchrun agent: interpreter, import torch, rendezvous, spawn",
+            "torchrun agent: interpreter, import torch, rendezvous, fork",
             PROC,
         ),
-        ("hello supervisor (last)", "supervisor: interpreter, imports, channel hello", MEASURED),
-        ("rank process start", "supervisor: start the rank process", PROC),
-        ("hello worker (last)", "rank: interpreter, imports, channel hello", MEASURED),
+        ("hello supervisor (last)", "supervisor: channel hello", MEASURED),
+        ("rank process start", "supervisor: fork the rank process", PROC),
+        ("hello worker (last)", "rank: channel hello", MEASURED),
         *_RANK_STEPS,
         ("result arrived", "rank 0: pickle and send the result", MEASURED),
         (
             "exit supervisor (last)",
-            "ranks exit (interpreter shutdown), supervisors report",
+            "ranks exit, supervisors report",
             MEASURED,
         ),
         ("exit node (last)", "torchrun agents notice the exits, exit barrier, exit", MEASURED),
-        ("spark barrier job end", "task 0 waits for the driver's close (store kept), Spark job completes", MEASURED),
+        (
+            "spark barrier job end",
+            "task 0 waits for the driver's close (store kept), Spark job completes",
+            MEASURED,
+        ),
         ("supervise end", "driver notices the job's end", POLLED),
         ("drain end", "driver: drain the channel", MEASURED),
         ("channel close end", "driver: unpickle the value, close the channel", MEASURED),
@@ -422,8 +433,9 @@ def probes() -> dict[str, float | None]:
         "python -c pass": "pass",
         "import torch": "import torch",
         "import torch.distributed.run": "import torch.distributed.run",
-        "import sparktorch_ops.bootstrap (supervisor)": "import sparktorch_ops.bootstrap",
-        "import sparktorch_ops.worker (rank, before user code)": "import sparktorch_ops.worker",
+        "import sparktorch_ops.bootstrap (in the agent, before it forks ranks)": (
+            "import sparktorch_ops.bootstrap"
+        ),
         "import sparktorch_ops.distributor (driver)": "import sparktorch_ops.distributor",
         "from pyspark import cloudpickle (pyspark's rank)": "from pyspark import cloudpickle",
     }
