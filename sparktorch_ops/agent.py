@@ -14,6 +14,7 @@ import signal
 import sys
 
 from sparktorch_ops.bootstrap import AGENT_PID_ENV
+from sparktorch_ops.planning import NVML_CHECK_ADDED_ENV, NVML_CUDA_CHECK_ENV
 from sparktorch_ops.process import die_with_parent, start_parent_watchdog
 
 LAUNCHER_PID_ENV = "SPARKTORCH_OPS_LAUNCHER_PID"
@@ -25,6 +26,11 @@ def main() -> None:
     die_with_parent(signal.SIGTERM, launcher)
     start_parent_watchdog(lambda: os.kill(os.getpid(), signal.SIGTERM))
     os.environ[AGENT_PID_ENV] = str(os.getpid())
+    if NVML_CUDA_CHECK_ENV not in os.environ:
+        # torchrun calls torch.cuda.is_available() here; through NVML that leaves CUDA
+        # uninitialised, so that the ranks forked from this process can still use it.
+        os.environ[NVML_CUDA_CHECK_ENV] = "1"
+        os.environ[NVML_CHECK_ADDED_ENV] = "1"
     from torch.distributed.run import main as torchrun_main
 
     # Imported here so that every forked rank finds them (and torch) loaded already.

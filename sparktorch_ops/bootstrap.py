@@ -1,8 +1,9 @@
 """The program torchrun starts for each rank: it supervises the rank process.
 
 torchrun runs this file in a child forked from the agent (``--run-path``), so ``torch`` is
-already imported. It connects to the driver's channel, forks the rank process, which runs
-:mod:`sparktorch_ops.worker` (the user's code) with its output piped, forwards every line of it
+already imported. It connects to the driver's channel, forks the rank process (or, where a fork
+could not use CUDA, starts it as a fresh interpreter), which runs :mod:`sparktorch_ops.worker`
+(the user's code) with its output piped, forwards every line of it
 to the driver, and reports how it exited. The rank process dies with this one
 (``PR_SET_PDEATHSIG``), and this one stops it when its own parent (torchrun's agent) dies or the
 driver closes the channel, so nothing outlives the run. With ``--start-method=spawn`` in
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -24,6 +26,7 @@ from sparktorch_ops.process import (
     ForkedChild,
     die_with_parent,
     pump_lines,
+    set_parent_death_signal,
     set_process_name,
     start_parent_watchdog,
 )
@@ -33,23 +36,45 @@ AGENT_PID_ENV = "SPARKTORCH_OPS_AGENT_PID"
 _TERMINATE_GRACE_S = 5.0
 
 
+def fork_keeps_cuda_usable() -> bool:
+    """Whether a rank forked from this process could still use CUDA.
+
+    torch refuses CUDA in a child forked after CUDA was initialised (it marks such children as
+    bad forks). The agent and the supervisor leave CUDA alone, but a torchrun option such as
+    ``--numa-binding``, or an availability check that cannot use NVML, initialises it.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return True
+    return not (torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork())
+
+
 class Supervisor:
     """Runs one rank process and reports it to the driver."""
 
     def __init__(self, client: channel.ChannelClient) -> None:
         self.client = client
-        self.child: ForkedChild | None = None
+        self.child: ForkedChild | subprocess.Popen[bytes] | None = None
         self.finishing = False
 
     def start(self) -> None:
-        """Fork the rank process (before this process starts any thread of its own)."""
+        """Fork the rank process, or start it as a fresh interpreter where a fork could not use
+        CUDA (before this process starts any thread of its own: the fork must not race)."""
 
         def run_rank() -> int:
             self.client.release_in_child()
-            set_process_name(f"torch-rank-{os.environ['RANK']}")
             return worker.run_forked()
 
-        self.child = ForkedChild(run_rank)
+        if fork_keeps_cuda_usable():
+            self.child = ForkedChild(run_rank)
+            return
+        self.child = subprocess.Popen(
+            [sys.executable, "-u", "-m", "sparktorch_ops.worker"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL),
+        )
 
     def stop_child(self, signum: int = signal.SIGTERM) -> None:
         """Signal the rank process; SIGKILL it if it is still there after the grace period."""

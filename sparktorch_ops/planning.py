@@ -19,6 +19,10 @@ CHANNEL_ENV = "SPARKTORCH_OPS_CHANNEL"
 TOKEN_ENV = "SPARKTORCH_OPS_TOKEN"
 PAYLOAD_ENV = "SPARKTORCH_OPS_PAYLOAD"
 NODE_HOST_ENV = "SPARKTORCH_OPS_HOST"
+# torch's fork-safe CUDA availability check (NVML, no CUDA initialisation); the agent turns it
+# on for itself when unset and says so in the second variable, so that ranks can drop it again.
+NVML_CUDA_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+NVML_CHECK_ADDED_ENV = "SPARKTORCH_OPS_NVML_CHECK_ADDED"
 
 AGENT_MODULE = "sparktorch_ops.agent"
 # torchrun runs this file in the agent's own interpreter (--run-path) in a forked child.

@@ -1,13 +1,15 @@
 """The rank process: runs the user's function or script.
 
 Forked by :mod:`sparktorch_ops.bootstrap` (which forwards this process's output to the driver)
-and entered through :func:`run_forked`. It opens its own channel connection for metrics, the
+and entered through :func:`run_forked`, or started as ``python -u -m sparktorch_ops.worker``
+where a fork could not use CUDA. It opens its own channel connection for metrics, the
 failure record and rank 0's result.
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import io
 import os
 import runpy
@@ -22,7 +24,15 @@ import cloudpickle
 
 from sparktorch_ops import channel, reporting
 from sparktorch_ops.payload import read_rank_payload
-from sparktorch_ops.planning import CHANNEL_ENV, NODE_HOST_ENV, PAYLOAD_ENV, TOKEN_ENV
+from sparktorch_ops.planning import (
+    CHANNEL_ENV,
+    NODE_HOST_ENV,
+    NVML_CHECK_ADDED_ENV,
+    NVML_CUDA_CHECK_ENV,
+    PAYLOAD_ENV,
+    TOKEN_ENV,
+)
+from sparktorch_ops.process import set_process_name
 
 
 def _hello() -> dict[str, Any]:
@@ -77,6 +87,9 @@ def run_payload(record: dict[str, Any], client: channel.ChannelClient, rank: int
 
 def main() -> int:
     """Run this rank's payload and report it; returns the exit code."""
+    set_process_name(f"torch-rank-{os.environ['RANK']}")
+    if os.environ.pop(NVML_CHECK_ADDED_ENV, None):
+        os.environ.pop(NVML_CUDA_CHECK_ENV, None)  # the agent's setting, not the user's
     hello = _hello()
     client = channel.ChannelClient.connect(os.environ[CHANNEL_ENV], os.environ[TOKEN_ENV], hello)
     reporting.install(client)
@@ -128,6 +141,9 @@ def _start_like_a_fresh_interpreter() -> None:
         io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
     )
     sys.argv = [__file__]
+    # What the agent left in memory is not the rank's garbage: keep the collector off it, so
+    # that collections neither walk it nor copy its shared pages by writing to its headers.
+    gc.freeze()
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         # The OpenMP runtime read the agent's environment when torch was imported there.
@@ -153,3 +169,7 @@ def run_forked() -> int:
     code = main()
     _finish_like_an_interpreter()
     return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

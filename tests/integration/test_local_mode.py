@@ -276,15 +276,18 @@ def fresh_interpreter_facts(marker_dir: str) -> dict[str, Any]:
         "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
         "stdin": sys.stdin.read(),
         "name": Path("/proc/self/comm").read_text().strip(),
+        "nvml_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"),
     }
 
 
 @pytest.mark.parametrize("torchrun_args", [[], ["--start-method=spawn"]], ids=["fork", "spawn"])
 def test_ranks_start_and_end_like_fresh_interpreters(
-    tmp_path: Path, torchrun_args: list[str]
+    tmp_path: Path, torchrun_args: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ranks are forked from the agent (or, with --start-method=spawn, from a fresh supervisor):
     either way a rank must look like a new ``python -u`` and end like one."""
+    # Importing Lightning sets it in this process; the agent's own setting must not leak.
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
     facts = TorchDistributor(
         num_processes=2, local_mode=True, use_gpu=False, torchrun_args=torchrun_args
     ).run(fresh_interpreter_facts, str(tmp_path))
@@ -295,7 +298,58 @@ def test_ranks_start_and_end_like_fresh_interpreters(
         "sigint_raises": True,
         "stdin": "",
         "name": "torch-rank-0",
+        "nvml_check": None,  # the agent's own setting does not reach the user's code
     }
     for rank in (0, 1):  # the run ended only after each rank's thread and exit handlers
         assert (tmp_path / f"thread-{rank}").read_text() == "joined"
         assert (tmp_path / f"atexit-{rank}").read_text() == "ran"
+
+
+def rank_process_facts() -> dict[str, Any]:
+    return {
+        "cmdline": Path("/proc/self/cmdline").read_bytes().decode().split("\0"),
+        "name": Path("/proc/self/comm").read_text().strip(),
+        "nvml_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"),
+        "world": int(os.environ["WORLD_SIZE"]),
+    }
+
+
+def test_ranks_start_as_fresh_interpreters_where_a_fork_could_not_use_cuda(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU-only condition, simulated (the one mock here): torch reports that CUDA was
+    initialised before the fork, so a forked rank could not use it. The supervisor must start
+    the rank as a fresh interpreter instead, and the run must work as usual."""
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import torch.cuda\ntorch.cuda._is_in_bad_fork = lambda: True\n"
+    )
+    paths = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    facts = TorchDistributor(
+        num_processes=2, local_mode=True, use_gpu=False, env={"PYTHONPATH": os.pathsep.join(paths)}
+    ).run(rank_process_facts)
+    assert facts["cmdline"][1:4] == ["-u", "-m", "sparktorch_ops.worker"], facts
+    assert facts["name"] == "torch-rank-0"
+    assert facts["nvml_check"] is None
+    assert facts["world"] == 2
+
+
+def quarter_gib_tensor() -> Any:
+    import torch
+
+    if int(os.environ["RANK"]) != 0:
+        return None
+    return torch.arange(64 << 20, dtype=torch.int32)  # 256 MiB
+
+
+def test_a_256_mib_value_from_rank_0_arrives_whole() -> None:
+    value = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(
+        quarter_gib_tensor
+    )
+    assert value.numel() == 64 << 20 and value.element_size() == 4
+    assert int(value[0]) == 0 and int(value[-1]) == (64 << 20) - 1
+    import torch
+
+    assert int(value.sum(dtype=torch.int64)) == (64 << 20) * ((64 << 20) - 1) // 2
