@@ -2,12 +2,13 @@
 
 Runs on the channel server's thread. Log lines go to the caller's logger as they arrive
 (stdout at INFO, stderr at WARNING, prefixed with rank and host); metrics go to ``on_metrics``;
-rank 0's result bytes are assembled; exits and failures are recorded in arrival order, which
-picks the root cause.
+rank 0's result bytes are kept as they arrived; exits and failures are recorded in arrival
+order, which picks the root cause.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import threading
@@ -24,6 +25,42 @@ TAIL_LINES = 200
 FAILURE_TAIL_LINES = 60
 SCRIPT_OUTPUT_CAP = 4 << 20
 AGENT = -1  # pseudo-rank of a node's torchrun agent output
+
+
+class ResultBytes(io.RawIOBase):
+    """Rank 0's pickled result, held in the chunks it arrived in and read once.
+
+    The unpickler reads large values straight into their final buffer (``readinto``), and
+    every chunk is released as soon as it has been read, so the driver never holds the whole
+    pickle twice (chunks plus a joined copy).
+    """
+
+    def __init__(self, chunks: list[bytes | bytearray]) -> None:
+        super().__init__()
+        self._chunks = deque(chunks)
+        self._offset = 0
+        self.size = sum(len(chunk) for chunk in chunks)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        filled = 0
+        while filled < len(target) and self._chunks:
+            chunk = self._chunks[0]
+            take = min(len(chunk) - self._offset, len(target) - filled)
+            target[filled : filled + take] = memoryview(chunk)[self._offset : self._offset + take]
+            filled += take
+            self._offset += take
+            if self._offset == len(chunk):
+                self._chunks.popleft()
+                self._offset = 0
+        return filled
+
+    def reader(self) -> io.BufferedReader:
+        """A buffered file over the bytes, for ``pickle.load``."""
+        return io.BufferedReader(self, buffer_size=1 << 16)
 
 
 @dataclass
@@ -73,7 +110,7 @@ class RunCollector(channel.ChannelHandler):
         self._stdout_bytes = 0
         self.stdout_truncated = False
         self._result: list[bytes | bytearray] = []
-        self.result: bytes | None = None
+        self.result: ResultBytes | None = None
         self.attempt = 0
         self.failure_order: list[int] = []
         self.fatal = False
@@ -124,10 +161,10 @@ class RunCollector(channel.ChannelHandler):
         elif kind == channel.RESULT_CHUNK and int(hello["rank"]) == 0:
             self._result.append(payload)
         elif kind == channel.RESULT_END and int(hello["rank"]) == 0:
-            size = json.loads(payload)["size"]
-            if size == sum(len(chunk) for chunk in self._result):
-                self.result = b"".join(self._result)
+            result = ResultBytes(self._result)
             self._result = []
+            if json.loads(payload)["size"] == result.size:
+                self.result = result
         elif kind == channel.FAILURE:
             record = json.loads(payload)
             self._fail(int(hello["rank"]), f"{record['type']}: {record['message']}".strip())

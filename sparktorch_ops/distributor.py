@@ -373,7 +373,7 @@ class _Run:
                 "rank 0 finished but its return value never arrived over the channel"
             )
         try:
-            return cloudpickle.loads(collector.result)
+            return cloudpickle.load(collector.result.reader())
         except Exception as exc:
             raise SparkTorchError(
                 f"rank 0's return value cannot be unpickled on the driver: "

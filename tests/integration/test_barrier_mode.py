@@ -126,3 +126,17 @@ def test_concurrent_local_runs_do_not_collide() -> None:
     assert sorted(results) == [0, 1, 2, 3]
     assert {value[0] for value in results.values()} == {2}
     assert len({value[1] for value in results.values()}) == 4  # four distinct rendezvous ports
+
+
+def quarter_gib_bytes() -> bytes | None:
+    if int(os.environ["RANK"]) != 0:
+        return None
+    return bytes(range(256)) * (1 << 20)  # 256 MiB
+
+
+def test_a_256_mib_value_from_an_executor_arrives_whole(spark: Any) -> None:
+    value = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark).run(
+        quarter_gib_bytes
+    )
+    assert isinstance(value, bytes) and len(value) == 256 << 20
+    assert value[:256] == bytes(range(256)) and value[-256:] == bytes(range(256))

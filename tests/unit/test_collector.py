@@ -6,7 +6,7 @@ import json
 import logging
 
 from sparktorch_ops import channel
-from sparktorch_ops.collector import SCRIPT_OUTPUT_CAP, RunCollector
+from sparktorch_ops.collector import SCRIPT_OUTPUT_CAP, ResultBytes, RunCollector
 
 
 def peer(conn_id: int, rank: int, role: str = "supervisor", attempt: int = 0) -> channel.Peer:
@@ -68,7 +68,20 @@ def test_a_truncated_result_is_not_a_result() -> None:
     assert c.result is None
     c.on_frame(peer(1, 0, role="worker"), channel.RESULT_CHUNK, b"abcd")
     c.on_frame(peer(1, 0, role="worker"), channel.RESULT_END, b'{"size": 4}')
-    assert c.result == b"abcd"
+    assert c.result is not None and c.result.reader().read() == b"abcd"
+
+
+def test_result_bytes_are_read_across_chunks_and_released_as_read() -> None:
+    import pickle
+
+    value = {"blob": bytes(range(256)) * 5000, "n": 7}
+    data = pickle.dumps(value, protocol=5)
+    chunks = [data[i : i + 1000] for i in range(0, len(data), 1000)]
+    result = ResultBytes(chunks)
+    assert result.size == len(data)
+    reader = result.reader()
+    assert pickle.load(reader) == value
+    assert reader.read() == b"" and not result._chunks
 
 
 def test_script_output_is_capped_to_its_tail_with_a_note() -> None:
