@@ -4,6 +4,7 @@ for the whole session (it takes 15-30 s to start), results stored under a tempor
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -73,17 +74,24 @@ def flow_run_artifacts(flow_run_id: UUID) -> dict[str, Any]:
     return by_key
 
 
-def task_runs(flow_run_id: UUID) -> list[Any]:
-    """The task runs of a flow run, from the API."""
+def task_runs(flow_run_id: UUID, count: int = 1) -> list[Any]:
+    """The task runs of a flow run, from the API, once ``count`` of them are there in a final
+    state: the server records task runs from events, a moment after the flow returned."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    deadline = time.monotonic() + 30
     with get_client(sync_client=True) as client:
-        return list(
-            client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        while True:
+            runs = list(
+                client.read_task_runs(
+                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+                )
             )
-        )
+            recorded = len(runs) >= count and all(r.state and r.state.is_final() for r in runs)
+            if recorded or time.monotonic() > deadline:
+                return runs
+            time.sleep(0.2)
 
 
 @pytest.fixture

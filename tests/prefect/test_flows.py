@@ -34,7 +34,7 @@ def test_retrain_digits_flow_publishes_and_reports(registry: Path) -> None:
     assert 0.0 <= record["metrics"]["accuracy"] <= 1.0
 
     flow_run_id = state.state_details.flow_run_id
-    runs = {run.name.rsplit("-", 1)[0]: run for run in task_runs(flow_run_id)}
+    runs = {run.name.rsplit("-", 1)[0]: run for run in task_runs(flow_run_id, count=4)}
     assert set(runs) == {"prepare_data", "train-digits", "evaluate", "publish"}
     assert all(run.state.is_completed() for run in runs.values())
 
