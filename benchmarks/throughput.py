@@ -1,7 +1,8 @@
 """Training throughput: a small CNN, DDP on 2 ranks, fixed steps; ours vs bare torchrun.
 
 The same code (``jobs.train_cnn``) runs as a script under bare ``torchrun`` and under ours in
-local mode (as the same script, and as a function), alternating round by round after a
+local mode (as the same script, as a function, and as the script with
+``--start-method=spawn``), alternating round by round after a
 discarded warm-up round. Rank 0 times the steady state (after ``--warmup`` steps, between two
 barriers) and reports samples/s over all ranks: that is the figure compared. The wall time of
 the whole run is reported too.
@@ -53,7 +54,7 @@ def build_variants(
         script_args.append("--gpu")
     logger = common.quiet_logger()
 
-    def ours() -> TorchDistributor:
+    def ours(*torchrun_args: str) -> TorchDistributor:
         return TorchDistributor(
             num_processes=2,
             local_mode=True,
@@ -61,6 +62,7 @@ def build_variants(
             env=env,
             logger=logger,
             timeout=timeout,
+            torchrun_args=torchrun_args,
         )
 
     def bare() -> dict[str, Any]:
@@ -72,6 +74,10 @@ def build_variants(
         "ours_local_script": lambda: parse_figures(ours().run(str(JOBS_SCRIPT), *script_args)),
         "ours_local_fn": lambda: ours().run(
             functools.partial(jobs.train_cnn, steps, batch_size, warmup, use_gpu)
+        ),
+        # Ranks forked from a freshly spawned supervisor instead of from the agent.
+        "ours_local_script_spawn": lambda: parse_figures(
+            ours("--start-method=spawn").run(str(JOBS_SCRIPT), *script_args)
         ),
     }
 
