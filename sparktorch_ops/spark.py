@@ -162,16 +162,15 @@ def wait_for_slots(
     """
     wait_s = _registration_grace_s(sc) if start_timeout is None else start_timeout
     deadline = time.monotonic() + wait_s
-    slots = available_slots(sc)
-    while slots < required_tasks and time.monotonic() < deadline:
-        if cancelled():
+    while True:
+        # Registration first: the slots read after it count every executor it saw.
+        everyone_registered = start_timeout is None and _all_executors_registered(sc)
+        slots = available_slots(sc)
+        if slots >= required_tasks or cancelled():
             return
-        if start_timeout is None and _all_executors_registered(sc):
+        if everyone_registered or time.monotonic() >= deadline:
             break
         time.sleep(0.25)
-        slots = available_slots(sc)
-    if slots >= required_tasks:
-        return
     if start_timeout is not None:
         raise StartTimeoutError(
             "start_timeout",

@@ -224,11 +224,19 @@ def world():
     import os
     return int(os.environ["WORLD_SIZE"])
 
+def stop(spark):
+    # local-cluster's own shutdown can race with its master relaunching executors; that is
+    # Spark's business, not what this test checks.
+    try:
+        spark.stop()
+    except Exception as exc:
+        out.setdefault("stop_errors", []).append(repr(exc)[:300])
+
 out = {}
 spark = fresh_session()
 out["executors_at_launch"] = int(spark.sparkContext._jsc.sc().getExecutorIds().size())
 out["world"] = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark).run(world)
-spark.stop()
+stop(spark)
 
 spark = fresh_session(**{"spark.scheduler.maxRegisteredResourcesWaitingTime": "600s"})
 started = time.monotonic()
@@ -237,8 +245,8 @@ try:
 except ResourceError as exc:
     out["too_many"] = {"argument": exc.argument, "error": str(exc),
                        "seconds": time.monotonic() - started}
-spark.stop()
 emit(out)
+stop(spark)
 """,
     )
     assert result["world"] == 2, output

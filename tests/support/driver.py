@@ -42,8 +42,12 @@ def run_driver(
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX) :]), output
+    # The driver's Python traceback first: JVM logs after it would push it out of the tail.
+    start = output.find("Traceback (most recent call last)")
+    traceback = output[start : start + 4000] + "\n...\n" if start >= 0 else ""
     raise AssertionError(
-        f"driver program exited {proc.returncode} without a result:\n{output[-6000:]}"
+        f"driver program exited {proc.returncode} without a result:\n"
+        f"{traceback}{output[-4000:]}"
     )
 
 
