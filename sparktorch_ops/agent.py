@@ -15,7 +15,12 @@ import sys
 
 from sparktorch_ops.bootstrap import AGENT_PID_ENV
 from sparktorch_ops.planning import NVML_CHECK_ADDED_ENV, NVML_CUDA_CHECK_ENV
-from sparktorch_ops.process import die_with_parent, start_parent_watchdog
+from sparktorch_ops.process import (
+    die_with_parent,
+    exit_status,
+    finish_like_an_interpreter,
+    start_parent_watchdog,
+)
 
 LAUNCHER_PID_ENV = "SPARKTORCH_OPS_LAUNCHER_PID"
 
@@ -36,7 +41,17 @@ def main() -> None:
     # Imported here so that every forked rank finds them (and torch) loaded already.
     import sparktorch_ops.bootstrap  # noqa: F401
 
-    torchrun_main(sys.argv[2:])
+    status = 1
+    try:
+        torchrun_main(sys.argv[2:])
+        status = 0
+    except SystemExit as exc:
+        status = exit_status(exc)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+    # The run is over: skip the interpreter's teardown of torch, which every run would wait for.
+    finish_like_an_interpreter()
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
@@ -33,6 +34,29 @@ def set_parent_death_signal(signum: int) -> None:
     """Ask Linux to send ``signum`` to this process when its parent thread exits."""
     if _libc is not None:
         _libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
+
+
+def exit_status(exc: SystemExit) -> int:
+    """The process exit status the interpreter would give for ``exc``."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    sys.stderr.write(f"{code}\n")  # as the interpreter does for sys.exit("message")
+    return 1
+
+
+def finish_like_an_interpreter() -> None:
+    """What interpreter exit does that matters before ``os._exit``: wait for non-daemon
+    threads, run the exit handlers, flush stdout and stderr. (The rest, tearing down every
+    module and object of torch, costs a third of a second and changes nothing.)"""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
 
 
 def set_process_name(name: str) -> None:

@@ -15,7 +15,6 @@ import os
 import runpy
 import signal
 import sys
-import threading
 import time
 import traceback
 from typing import Any
@@ -32,7 +31,7 @@ from sparktorch_ops.planning import (
     PAYLOAD_ENV,
     TOKEN_ENV,
 )
-from sparktorch_ops.process import set_process_name
+from sparktorch_ops.process import exit_status, finish_like_an_interpreter, set_process_name
 
 
 def _hello() -> dict[str, Any]:
@@ -57,16 +56,6 @@ def _record_torchelastic_error(exc: BaseException) -> None:
         pass
 
 
-def _exit_code(exc: SystemExit) -> int:
-    code = exc.code
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    sys.stderr.write(f"{code}\n")  # as the interpreter does for sys.exit("message")
-    return 1
-
-
 def run_payload(record: dict[str, Any], client: channel.ChannelClient, rank: int) -> int:
     """Run the function or script; send rank 0's result. Returns the exit code."""
     if record["kind"] == "function":
@@ -81,7 +70,7 @@ def run_payload(record: dict[str, Any], client: channel.ChannelClient, rank: int
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
-        return _exit_code(exc)
+        return exit_status(exc)
     return 0
 
 
@@ -152,22 +141,11 @@ def _start_like_a_fresh_interpreter() -> None:
         torch.set_num_threads(int(threads))
 
 
-def _finish_like_an_interpreter() -> None:
-    """What interpreter exit does before the process ends: wait for non-daemon threads, then
-    run the exit handlers that the user's code registered."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-
-
 def run_forked() -> int:
     """The rank process's entry in a child forked from the supervisor. Returns the exit code."""
     _start_like_a_fresh_interpreter()
     code = main()
-    _finish_like_an_interpreter()
+    finish_like_an_interpreter()
     return code
 
 

@@ -177,8 +177,7 @@ def spark_session(
         )
         if master is not None and master != active.master:
             log.warning(
-                "master=%r is ignored: a process has one SparkContext, and the running one "
-                "uses %r",
+                "master=%r is ignored: a process has one SparkContext, and the running one uses %r",
                 master,
                 active.master,
             )

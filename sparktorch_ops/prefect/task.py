@@ -94,9 +94,7 @@ def _check_train(
     if train_args is None:
         train_args = ()
     if isinstance(train_args, (str, bytes)) or not isinstance(train_args, Sequence):
-        raise ConfigError(
-            "train_args", f"must be a list or tuple of arguments, got {train_args!r}"
-        )
+        raise ConfigError("train_args", f"must be a list or tuple of arguments, got {train_args!r}")
     if train_kwargs is not None and not isinstance(train_kwargs, Mapping):
         raise ConfigError("train_kwargs", f"must be a mapping or None, got {train_kwargs!r}")
     kwargs = dict(train_kwargs or {})
