@@ -3,11 +3,11 @@
 torchrun runs this file in a child forked from the agent (``--run-path``), so ``torch`` is
 already imported. It connects to the driver's channel, forks the rank process (or, where a fork
 could not use CUDA, starts it as a fresh interpreter), which runs :mod:`sparktorch_ops.worker`
-(the user's code) with its output piped, forwards every line of it
-to the driver, and reports how it exited. The rank process dies with this one
-(``PR_SET_PDEATHSIG``), and this one stops it when its own parent (torchrun's agent) dies or the
-driver closes the channel, so nothing outlives the run. With ``--start-method=spawn`` in
-``torchrun_args`` the same happens in a fresh interpreter per rank.
+(the user's code) with its output piped, forwards every line of it to the driver, and reports
+how it exited. The rank process dies with this one (``PR_SET_PDEATHSIG``), and this one stops it
+when its own parent (torchrun's agent) dies or the driver closes the channel, so nothing
+outlives the run. With ``--start-method=spawn`` in ``torchrun_args`` the supervisor itself is a
+fresh interpreter.
 """
 
 from __future__ import annotations

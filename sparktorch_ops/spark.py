@@ -138,10 +138,9 @@ def _registration_grace_s(sc: SparkContext) -> float:
     return registration_grace(sc.master or "", app_age_s, waiting_ms / 1000)
 
 
-def _all_executors_registered(sc: SparkContext) -> bool:
-    expected = expected_executors(sc.master or "", conf_value(sc, "spark.executor.instances"))
+def _executor_count(sc: SparkContext) -> int:
     # getExecutorIds lists executors only, never the driver.
-    return expected is not None and int(sc._jsc.sc().getExecutorIds().size()) >= expected
+    return int(sc._jsc.sc().getExecutorIds().size())
 
 
 def wait_for_slots(
@@ -160,11 +159,15 @@ def wait_for_slots(
         ResourceError: too few slots and no start_timeout.
         StartTimeoutError: still too few when start_timeout ran out.
     """
-    wait_s = _registration_grace_s(sc) if start_timeout is None else start_timeout
+    if start_timeout is None:
+        wait_s = _registration_grace_s(sc)
+        expected = expected_executors(sc.master or "", conf_value(sc, "spark.executor.instances"))
+    else:
+        wait_s, expected = start_timeout, None
     deadline = time.monotonic() + wait_s
     while True:
         # Registration first: the slots read after it count every executor it saw.
-        everyone_registered = start_timeout is None and _all_executors_registered(sc)
+        everyone_registered = expected is not None and _executor_count(sc) >= expected
         slots = available_slots(sc)
         if slots >= required_tasks or cancelled():
             return
