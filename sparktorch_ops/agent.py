@@ -14,15 +14,13 @@ import signal
 import sys
 
 from sparktorch_ops.bootstrap import AGENT_PID_ENV
-from sparktorch_ops.planning import NVML_CHECK_ADDED_ENV, NVML_CUDA_CHECK_ENV
+from sparktorch_ops.planning import LAUNCHER_PID_ENV, NVML_CHECK_ADDED_ENV, NVML_CUDA_CHECK_ENV
 from sparktorch_ops.process import (
     die_with_parent,
     exit_status,
     finish_like_an_interpreter,
     start_parent_watchdog,
 )
-
-LAUNCHER_PID_ENV = "SPARKTORCH_OPS_LAUNCHER_PID"
 
 
 def main() -> None:

@@ -9,10 +9,8 @@ driver closes the channel (cancel, timeout, a failed rank elsewhere, or a dead d
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -21,9 +19,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparktorch_ops import channel
-from sparktorch_ops.agent import LAUNCHER_PID_ENV
+from sparktorch_ops.messages import (
+    RDZV,
+    STDERR,
+    STDOUT,
+    ExitReport,
+    Hello,
+    RendezvousPort,
+)
 from sparktorch_ops.payload import Payload, write_rank_payload
-from sparktorch_ops.planning import RUN_ID_ENV, agent_argv, agent_env
+from sparktorch_ops.planning import RUN_ID_ENV, RunPlan
 from sparktorch_ops.process import AgentProcess, marked_processes, terminate_processes
 
 _STORE_HOLD_S = 60.0
@@ -39,36 +44,49 @@ def _host_rendezvous_store(host: str) -> tuple[Any, int]:
 
 
 @dataclass(frozen=True)
+class TaskReport:
+    """What one barrier task hands back to the driver through ``collect()``.
+
+    Attributes:
+        node: the task's partition (its node index).
+        host: the task's host.
+        exit_code: its agent's exit code (None when the agent never ran or was stopped).
+        error: why the task could not run its agent, if so.
+    """
+
+    node: int
+    host: str
+    exit_code: int | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class BarrierTask:
-    """The function Spark runs in every barrier task (picklable, holds the whole plan)."""
+    """The function Spark runs in every barrier task (picklable: the plan, payload, secret)."""
 
-    run_id: str
-    channel_address: str
-    token: str
-    payload: Payload
-    num_tasks: int
-    ranks_per_task: int
-    max_restarts: int
-    omp_threads: int
-    use_gpu: bool
-    join_timeout: float | None
-    torchrun_args: tuple[str, ...] = ()
-    user_env: dict[str, str] = field(default_factory=dict)
+    plan: RunPlan
+    token: str = field(repr=False)
+    payload: Payload = field(repr=False)
 
-    def __call__(self, _: Iterable[Any]) -> Iterator[dict[str, Any]]:
+    def __call__(self, _: Iterable[Any]) -> Iterator[TaskReport]:
         from pyspark import BarrierTaskContext
 
         ctx = BarrierTaskContext.get()
         node = ctx.partitionId()
         if ctx.attemptNumber() > 0:
-            yield {"node": node, "host": "", "exit_code": None, "error": RETRIED_STAGE}
+            yield TaskReport(node, "", None, RETRIED_STAGE)
             return
         hosts = [channel.split_address(info.address)[0] for info in ctx.getTaskInfos()]
-        gpus = list(ctx.resources()["gpu"].addresses) if self.use_gpu else None
+        node_plan = self.plan.nodes[node]
+        gpus = (
+            list(ctx.resources()["gpu"].addresses)
+            if node_plan.cuda_visible_devices is not None
+            else None
+        )
         client = channel.ChannelClient.connect(
-            self.channel_address,
+            self.plan.channel_address,
             self.token,
-            {"role": "node", "node": node, "host": hosts[node], "attempt": 0, "pid": os.getpid()},
+            Hello(role="node", node=node, host=hosts[node], attempt=0, pid=os.getpid()),
         )
         store = None
         try:
@@ -79,20 +97,23 @@ class BarrierTask:
                     store, port = _host_rendezvous_store(hosts[0])
                 except Exception as exc:
                     error = f"cannot host the rendezvous store on {hosts[0]}: {exc}"
-                    client.send_json(channel.RDZV, {"error": error})
-                    yield {"node": node, "host": hosts[node], "exit_code": None, "error": error}
+                    client.send_message(RendezvousPort(error=error))
+                    yield TaskReport(node, hosts[node], None, error)
                     return
-                client.send_json(channel.RDZV, {"port": port})
+                client.send_message(RendezvousPort(port=port))
             else:
                 kind, payload = client.recv_frame()
-                if kind != channel.RDZV:
+                if kind != RDZV:
                     raise channel.ChannelError(f"expected the rendezvous port, got frame {kind}")
-                port = int(json.loads(payload)["port"])
+                port_message = RendezvousPort.decode(payload)
+                if port_message.port is None:
+                    raise channel.ChannelError(f"no rendezvous store: {port_message.error}")
+                port = port_message.port
             endpoint = channel.join_address(hosts[0], port)
             code = self._run_agent(client, node, hosts[node], endpoint, gpus)
-            yield {"node": node, "host": hosts[node], "exit_code": code, "error": None}
+            yield TaskReport(node, hosts[node], code)
         except channel.ChannelError as exc:  # the driver stopped the run before it started
-            yield {"node": node, "host": hosts[node], "exit_code": None, "error": str(exc)}
+            yield TaskReport(node, hosts[node], None, str(exc))
         finally:
             client.close()
             del store
@@ -105,38 +126,26 @@ class BarrierTask:
         endpoint: str,
         gpus: list[str] | None,
     ) -> int | None:
-        workdir = tempfile.mkdtemp(prefix=f"{self.run_id}-node{node}-")
+        plan = self.plan
+        workdir = tempfile.mkdtemp(prefix=f"{plan.run_id}-node{node}-")
         try:
-            env = agent_env(
+            agent_plan = plan.nodes[node].bind(
                 os.environ,
-                self.user_env,
-                run_id=self.run_id,
-                channel=self.channel_address,
+                run_id=plan.run_id,
+                channel=plan.channel_address,
                 token=self.token,
                 payload_path=write_rank_payload(self.payload, workdir, in_place=False),
+                launcher_pid=os.getpid(),
                 host=host,
-                omp_threads=self.omp_threads,
-                cuda_visible_devices=",".join(gpus) if gpus is not None else None,
-            )
-            env[LAUNCHER_PID_ENV] = str(os.getpid())
-            argv = agent_argv(
-                python=sys.executable,
-                run_id=self.run_id,
-                nnodes=self.num_tasks,
-                nproc_per_node=self.ranks_per_task,
                 rdzv_endpoint=endpoint,
-                local_addr=host,
-                max_restarts=self.max_restarts,
-                is_rdzv_host=False,
-                join_timeout=self.join_timeout,
-                extra_args=self.torchrun_args,
+                gpus=gpus,
             )
             agent = AgentProcess(
-                argv,
-                env,
+                agent_plan.argv,
+                agent_plan.env,
                 workdir,
-                on_stdout=_forward(client, channel.STDOUT),
-                on_stderr=_forward(client, channel.STDERR),
+                on_stdout=_forward(client, STDOUT),
+                on_stderr=_forward(client, STDERR),
             )
             # The driver closes the channel when the run is over or must stop.
             watcher = threading.Thread(target=client.wait_closed, daemon=True)
@@ -145,12 +154,12 @@ class BarrierTask:
                 time.sleep(0.1)
             if agent.poll() is None:
                 agent.terminate(grace=3.0)
-                terminate_processes(marked_processes(RUN_ID_ENV, self.run_id), grace=1.0)
+                terminate_processes(marked_processes(RUN_ID_ENV, plan.run_id), grace=1.0)
                 return agent.poll()
             agent.finish_output()
             code = agent.poll()
             try:
-                client.send_json(channel.EXIT, {"exit_code": code, "time": time.time()})
+                client.send_message(ExitReport(exit_code=code, time=time.time()))
             except channel.ChannelError:
                 return code
             if node == 0:

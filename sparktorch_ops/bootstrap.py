@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from sparktorch_ops import channel, worker
+from sparktorch_ops.messages import STDERR, STDOUT, ExitReport, Hello
 from sparktorch_ops.planning import CHANNEL_ENV, NODE_HOST_ENV, TOKEN_ENV
 from sparktorch_ops.process import (
     ForkedChild,
@@ -112,7 +113,7 @@ class Supervisor:
     def run(self) -> int:
         """Supervise until the rank process exits; return its exit status for torchrun."""
         assert self.child is not None and self.child.stdout and self.child.stderr
-        streams = ((self.child.stdout, channel.STDOUT), (self.child.stderr, channel.STDERR))
+        streams = ((self.child.stdout, STDOUT), (self.child.stderr, STDERR))
         pumps = [
             threading.Thread(target=pump_lines, args=(s, self._forward(k)), daemon=True)
             for s, k in streams
@@ -124,13 +125,12 @@ class Supervisor:
         for pump in pumps:  # a grandchild may hold the pipes open: do not wait for it forever
             pump.join(timeout=5)
         self.finishing = True
-        record: dict[str, Any] = {"time": time.time()}
         if returncode < 0:
-            record.update(exit_code=None, signal=signal_name(-returncode))
+            report = ExitReport(exit_code=None, signal=signal_name(-returncode), time=time.time())
         else:
-            record.update(exit_code=returncode, signal=None)
+            report = ExitReport(exit_code=returncode, signal=None, time=time.time())
         try:
-            self.client.send_json(channel.EXIT, record)
+            self.client.send_message(report)
         except channel.ChannelError:
             pass
         self.client.close()
@@ -146,15 +146,15 @@ def main() -> None:
     agent_pid = int(os.environ.get(AGENT_PID_ENV, os.getppid()))
     die_with_parent(signal.SIGTERM, agent_pid)
     set_process_name(f"torch-sup-{os.environ['RANK']}")
-    hello = {
-        "role": "supervisor",
-        "rank": int(os.environ["RANK"]),
-        "local_rank": int(os.environ["LOCAL_RANK"]),
-        "group_rank": int(os.environ.get("GROUP_RANK", "0")),
-        "host": os.environ.get(NODE_HOST_ENV, ""),
-        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-        "pid": os.getpid(),
-    }
+    hello = Hello(
+        role="supervisor",
+        rank=int(os.environ["RANK"]),
+        local_rank=int(os.environ["LOCAL_RANK"]),
+        group_rank=int(os.environ.get("GROUP_RANK", "0")),
+        host=os.environ.get(NODE_HOST_ENV, ""),
+        attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        pid=os.getpid(),
+    )
     client = channel.ChannelClient.connect(os.environ[CHANNEL_ENV], os.environ[TOKEN_ENV], hello)
     supervisor = Supervisor(client)
     supervisor.start()

@@ -26,16 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparktorch_ops.errors import ChannelError
-
-HELLO = 1
-STDOUT = 2
-STDERR = 3
-METRIC = 4
-RESULT_CHUNK = 5
-RESULT_END = 6
-EXIT = 7
-FAILURE = 8
-RDZV = 9  # task 0 -> driver: its rendezvous store's port; driver -> every task: the same
+from sparktorch_ops.messages import (
+    HELLO,
+    RESULT_CHUNK,
+    Hello,
+    Message,
+    MessageError,
+    ResultEnd,
+)
 
 _HEADER = struct.Struct("!BI")
 MAX_FRAME = 64 << 20
@@ -69,7 +67,7 @@ class Peer:
     """An authenticated client connection, as the handler sees it."""
 
     conn_id: int
-    hello: dict[str, Any]
+    hello: Hello
     address: str
     reply: Callable[[int, bytes], None] = field(default=lambda kind, payload: None, repr=False)
 
@@ -176,7 +174,7 @@ class ChannelServer:
                     elif key.data == "wake":
                         self._wake_r.recv(64)
                     else:
-                        self._read(key.data)
+                        self._read_guarded(key.data)
                 self._drop_silent_clients()
         except Exception:  # a bug here must not hang the run: report and close everything
             self._log.exception("sparktorch_ops channel server failed")
@@ -199,6 +197,15 @@ class ChannelServer:
             self._next_id += 1
             self._connections[self._next_id] = conn
             self._selector.register(sock, selectors.EVENT_READ, self._next_id)
+
+    def _read_guarded(self, conn_id: int) -> None:
+        """Read one connection; anything it sends that breaks the reading closes it alone."""
+        try:
+            self._read(conn_id)
+        except Exception as exc:
+            conn = self._connections.get(conn_id)
+            if conn is not None:
+                self._reject(conn, f"sent what could not be handled ({type(exc).__name__}: {exc})")
 
     def _read(self, conn_id: int) -> None:
         conn = self._connections.get(conn_id)
@@ -264,15 +271,20 @@ class ChannelServer:
 
     def _authenticate(self, conn_id: int, conn: _Connection, payload: bytes) -> bool:
         try:
-            hello = json.loads(payload)
-            token = hello.pop("token")
-        except (ValueError, KeyError, AttributeError, TypeError):
+            record = json.loads(payload)
+            token = record.pop("token")
+        except (ValueError, KeyError, AttributeError, TypeError, RecursionError):
             self._reject(conn, "sent a malformed HELLO")
             return False
         if not isinstance(token, str) or not hmac.compare_digest(
-            token.encode(), self.token.encode()
+            token.encode("utf-8", "surrogatepass"), self.token.encode()
         ):
             self._reject(conn, "presented a wrong token")
+            return False
+        try:
+            hello = Hello.from_dict(record)
+        except MessageError as exc:
+            self._reject(conn, f"sent a malformed HELLO ({exc})")
             return False
         conn.peer = Peer(
             conn_id=conn_id,
@@ -330,7 +342,7 @@ class ChannelClient:
 
     @classmethod
     def connect(
-        cls, address: str, token: str, hello: dict[str, Any], timeout: float = 30.0
+        cls, address: str, token: str, hello: Hello, timeout: float = 30.0
     ) -> ChannelClient:
         """Connect and authenticate.
 
@@ -345,7 +357,7 @@ class ChannelClient:
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         client = cls(sock)
-        client.send(HELLO, json.dumps({**hello, "token": token}).encode())
+        client.send(HELLO, json.dumps({**hello.to_dict(), "token": token}).encode())
         return client
 
     def send(self, kind: int, payload: bytes | memoryview) -> None:
@@ -368,16 +380,16 @@ class ChannelClient:
                 self.closed = True
                 raise ChannelError(f"lost the driver's channel: {exc}") from exc
 
-    def send_json(self, kind: int, record: dict[str, Any]) -> None:
-        """Send one frame holding a JSON object."""
-        self.send(kind, json.dumps(record).encode())
+    def send_message(self, message: Message) -> None:
+        """Send one typed message as its frame."""
+        self.send(message.KIND, message.encode())
 
     def send_result(self, data: bytes) -> None:
         """Send result bytes in chunks, then the end marker with the total size."""
         view = memoryview(data)
         for start in range(0, len(view), RESULT_CHUNK_SIZE):
             self.send(RESULT_CHUNK, view[start : start + RESULT_CHUNK_SIZE])
-        self.send_json(RESULT_END, {"size": len(data)})
+        self.send_message(ResultEnd(size=len(data)))
 
     def recv_frame(self) -> tuple[int, bytes]:
         """Block until the driver sends a frame.

@@ -1,34 +1,28 @@
 """``sparktorch-ops run``: launch a training script like torchrun, locally or on Spark.
 
     sparktorch-ops run [--num-processes N] [--local-mode|--no-local-mode] [--use-gpu]
-                       [--master URL] [--conf k=v ...] SCRIPT [-- ARGS...]
+                       [--master URL] [--conf k=v ...] [--dry-run] SCRIPT [-- ARGS...]
 
-Rank output is printed with rank prefixes; the exit status is the run's: 0 on success, the
-failing rank's exit code (or 1) on a training failure, 2 for bad arguments, 124 on a timeout,
-130 when interrupted (SIGINT/SIGTERM cancel the run and tear everything down first).
+Rank output is printed with rank prefixes; the exit status is the run's
+(:mod:`sparktorch_ops.outcome`): 0 on success, the failing rank's exit code (or 1) on a training
+failure, 2 for bad arguments, 124 on a timeout, 130 when interrupted (SIGINT/SIGTERM cancel the
+run and tear everything down first). ``--dry-run`` prints the run plan as JSON and starts
+nothing. Arguments are checked before Spark starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
 
-from sparktorch_ops.errors import (
-    ConfigError,
-    SparkTorchError,
-    StartTimeoutError,
-    TrainingCancelledError,
-    TrainingFailedError,
-    TrainingTimeoutError,
-)
-
-EXIT_CONFIG = 2
-EXIT_TIMEOUT = 124
-EXIT_INTERRUPTED = 130
+from sparktorch_ops.errors import ConfigError, SparkTorchError
+from sparktorch_ops.job import CancelToken, TrainingJob, build_job
+from sparktorch_ops.outcome import outcome_of
+from sparktorch_ops.spark import SparkSettings
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,83 +61,77 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds to wait for slots, executors and the rendezvous",
     )
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the run plan as JSON (the secret redacted) and start nothing",
+    )
     run.add_argument("script", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
     return parser
 
 
-def _spark_session(master: str | None, conf: Sequence[str]) -> Any:
-    from pyspark.sql import SparkSession
-
-    builder = SparkSession.builder.appName("sparktorch-ops")
-    if master:
-        builder = builder.master(master)
-    for item in conf:
+def _conf(items: Sequence[str]) -> dict[str, str]:
+    conf = {}
+    for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError("--conf", f"expected KEY=VALUE, got {item!r}")
-        builder = builder.config(key, value)
-    return builder.getOrCreate()
+        conf[key] = value
+    return conf
+
+
+def _job(args: argparse.Namespace, logger: logging.Logger, token: CancelToken) -> TrainingJob:
+    script_args = list(args.args)
+    if script_args[:1] == ["--"]:
+        script_args = script_args[1:]
+    local_mode = args.local_mode if args.local_mode is not None else args.master is None
+    return build_job(
+        train=args.script,
+        train_args=script_args,
+        num_processes=args.num_processes,
+        local_mode=local_mode,
+        use_gpu=args.use_gpu,
+        spark=SparkSettings(master=args.master, conf=_conf(args.conf)),
+        max_restarts=args.max_restarts,
+        timeout=args.timeout,
+        start_timeout=args.start_timeout,
+        logger=logger,
+        cancel_token=token,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sparktorch-ops`` command; returns the exit status."""
     args = _parser().parse_args(argv)
-    script_args = list(args.args)
-    if script_args[:1] == ["--"]:
-        script_args = script_args[1:]
-    local_mode = args.local_mode if args.local_mode is not None else args.master is None
     logger = logging.getLogger("sparktorch_ops.cli")
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    token = CancelToken()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: token.cancel("interrupted by a signal"))
 
-    from sparktorch_ops.distributor import TorchDistributor
+    from sparktorch_ops.distributor import launch_job, plan_job
 
-    spark = None
     try:
-        if not local_mode or args.conf or args.master:
-            spark = _spark_session(args.master, args.conf)
-        distributor = TorchDistributor(
-            num_processes=args.num_processes,
-            local_mode=local_mode,
-            use_gpu=args.use_gpu,
-            spark=spark,
-            logger=logger,
-            max_restarts=args.max_restarts,
-            timeout=args.timeout,
-            start_timeout=args.start_timeout,
-        )
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda *_: distributor.cancel())
-        result = distributor.launch(args.script, *script_args)
-        logger.info(
-            "sparktorch-ops: %d ranks finished in %.1f s",
-            result.num_processes,
-            result.duration.total_seconds(),
-        )
-        return 0
-    except ConfigError as exc:
-        print(f"sparktorch-ops: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    except TrainingFailedError as exc:
-        print(f"sparktorch-ops: training failed: {exc}", file=sys.stderr)
-        first = exc.first_failure
-        return first.exit_code if first and first.exit_code else 1
-    except (StartTimeoutError, TrainingTimeoutError) as exc:
-        print(f"sparktorch-ops: {exc}", file=sys.stderr)
-        return EXIT_TIMEOUT
-    except TrainingCancelledError as exc:
-        print(f"sparktorch-ops: {exc}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        job = _job(args, logger, token)  # every check, before Spark starts
+        if args.dry_run:
+            print(json.dumps(plan_job(job).to_dict(), indent=2))
+            return 0
+        result = launch_job(job)
     except SparkTorchError as exc:
-        print(f"sparktorch-ops: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        if spark is not None:
-            spark.stop()
+        outcome = outcome_of(exc)
+        print(f"sparktorch-ops: {outcome.message}", file=sys.stderr)
+        return outcome.exit_status
+    logger.info(
+        "sparktorch-ops: %d ranks finished in %.1f s",
+        result.num_processes,
+        result.duration.total_seconds(),
+    )
+    return 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ order, which picks the root cause.
 from __future__ import annotations
 
 import io
-import json
 import logging
 import threading
 import time
@@ -18,7 +17,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparktorch_ops import channel
+from sparktorch_ops import channel, events
+from sparktorch_ops.messages import (
+    EXIT,
+    FAILURE,
+    METRIC,
+    RDZV,
+    RESULT_CHUNK,
+    RESULT_END,
+    STDERR,
+    STDOUT,
+    ExitReport,
+    FailureReport,
+    Hello,
+    MetricReport,
+    RendezvousPort,
+    ResultEnd,
+)
 from sparktorch_ops.results import MetricRecord, RankFailure
 
 TAIL_LINES = 200
@@ -85,6 +100,8 @@ class RunCollector(channel.ChannelHandler):
         on_metrics: called with each :class:`MetricRecord`; exceptions are logged, not raised.
         max_restarts: torchrun's restarts: a failure is fatal only in the last attempt.
         keep_rank0_stdout: keep rank 0's stdout (up to 4 MiB, the tail) as a script's value.
+        on_phase: called (on the channel thread) with a phase name and the node or rank it
+            concerns, for the run's events.
     """
 
     def __init__(
@@ -95,7 +112,9 @@ class RunCollector(channel.ChannelHandler):
         on_metrics: Callable[[MetricRecord], None] | None,
         max_restarts: int,
         keep_rank0_stdout: bool,
+        on_phase: Callable[..., None] | None = None,
     ) -> None:
+        self._on_phase = on_phase or (lambda name, **where: None)
         self._log = logger
         self._log_ranks = log_ranks
         self._on_metrics = on_metrics
@@ -115,11 +134,11 @@ class RunCollector(channel.ChannelHandler):
         self.failure_order: list[int] = []
         self.fatal = False
         self.tearing_down = False
-        self.open_peers: dict[int, dict[str, Any]] = {}
+        self.open_peers: dict[int, Hello] = {}
         self.nodes_exited: dict[int, int | None] = {}
         self.nodes_seen: set[int] = set()
         self._node_peers: dict[int, channel.Peer] = {}
-        self._rendezvous: bytes | None = None
+        self._rendezvous: RendezvousPort | None = None
         self._retried = False
 
     # -- channel callbacks -------------------------------------------------------------------
@@ -127,87 +146,98 @@ class RunCollector(channel.ChannelHandler):
         hello = peer.hello
         with self._lock:
             self.open_peers[peer.conn_id] = hello
-            attempt = int(hello.get("attempt", 0))
-            if attempt > self.attempt:
-                self._new_attempt(attempt)
-            if hello.get("role") == "node":
-                node = int(hello.get("node", 0))
-                if node in self.nodes_seen:
+            if hello.attempt > self.attempt:
+                self._new_attempt(hello.attempt)
+            if hello.role == "node":
+                assert hello.node is not None
+                if hello.node in self.nodes_seen:
                     self._retried = True
-                self.nodes_seen.add(node)
+                self.nodes_seen.add(hello.node)
                 self._node_peers[peer.conn_id] = peer
                 if self._rendezvous is not None:
-                    peer.reply(channel.RDZV, self._rendezvous)
-            if hello.get("role") == "supervisor":
-                state = self.ranks.setdefault(int(hello["rank"]), _RankState())
-                state.host = str(hello.get("host") or peer.address.rsplit(":", 1)[0])
-                state.attempt = attempt
+                    peer.reply(RDZV, self._rendezvous.encode())
+            if hello.role == "supervisor":
+                assert hello.rank is not None
+                state = self.ranks.setdefault(hello.rank, _RankState())
+                state.host = hello.host or peer.address.rsplit(":", 1)[0]
+                state.attempt = hello.attempt
+        phase = {
+            "node": events.NODE_CONNECTED,
+            "supervisor": events.SUPERVISOR_CONNECTED,
+            "worker": events.WORKER_CONNECTED,
+        }[hello.role]
+        self._on_phase(phase, node=hello.node, rank=hello.rank, attempt=hello.attempt)
         if self._retried:
             self._fail(AGENT, "Spark retried the barrier stage; sparktorch_ops refuses retries")
 
     def on_frame(self, peer: channel.Peer, kind: int, payload: bytes | bytearray) -> None:
         hello = peer.hello
-        role = hello.get("role")
-        if kind in (channel.STDOUT, channel.STDERR):
+        if kind in (STDOUT, STDERR):
             lines = payload.decode("utf-8", errors="replace").split("\n")
-            if role == "node":
-                self._agent_lines(
-                    int(hello.get("node", 0)), str(hello.get("host", "")), kind, lines
-                )
+            if hello.role == "node":
+                assert hello.node is not None
+                self._agent_lines(hello.node, hello.host, kind, lines)
             else:
-                self._rank_lines(int(hello["rank"]), kind, lines)
-        elif kind == channel.METRIC:
-            self._metric(int(hello["rank"]), json.loads(payload))
-        elif kind == channel.RESULT_CHUNK and int(hello["rank"]) == 0:
+                assert hello.rank is not None
+                self._rank_lines(hello.rank, kind, lines)
+            return
+        if hello.role == "node":
+            assert hello.node is not None
+            if kind == RDZV:
+                self._rendezvous_ready(RendezvousPort.decode(payload))
+            elif kind == EXIT:
+                code = ExitReport.decode(payload).exit_code
+                with self._lock:
+                    self.nodes_exited[hello.node] = code
+                self._on_phase(events.NODE_EXITED, node=hello.node, exit_code=code)
+            return
+        rank = hello.rank
+        assert rank is not None
+        if kind == METRIC:
+            self._metric(rank, MetricReport.decode(payload))
+        elif kind == RESULT_CHUNK and rank == 0:
             self._result.append(payload)
-        elif kind == channel.RESULT_END and int(hello["rank"]) == 0:
+        elif kind == RESULT_END and rank == 0:
             result = ResultBytes(self._result)
             self._result = []
-            if json.loads(payload)["size"] == result.size:
+            if ResultEnd.decode(payload).size == result.size:
                 self.result = result
-        elif kind == channel.FAILURE:
-            record = json.loads(payload)
-            self._fail(int(hello["rank"]), f"{record['type']}: {record['message']}".strip())
-        elif kind == channel.RDZV and role == "node":
-            self._rendezvous_ready(peer, json.loads(payload))
-        elif kind == channel.EXIT:
-            record = json.loads(payload)
-            if role == "node":
-                with self._lock:
-                    self.nodes_exited[int(hello.get("node", 0))] = record.get("exit_code")
-            else:
-                self._exit(int(hello["rank"]), record)
+                self._on_phase(events.RESULT_RECEIVED, rank=0, size=result.size)
+        elif kind == FAILURE:
+            failure = FailureReport.decode(payload)
+            self._fail(rank, f"{failure.type}: {failure.message}".strip())
+        elif kind == EXIT:
+            self._exit(rank, ExitReport.decode(payload))
 
     def on_closed(self, peer: channel.Peer) -> None:
         hello = peer.hello
         with self._lock:
             self.open_peers.pop(peer.conn_id, None)
             self._node_peers.pop(peer.conn_id, None)
-        if int(hello.get("attempt", 0)) < self.attempt:
+        if hello.attempt < self.attempt:
             return
-        if hello.get("role") == "supervisor":
-            rank = int(hello["rank"])
-            state = self.ranks.get(rank)
+        if hello.role == "supervisor":
+            assert hello.rank is not None
+            state = self.ranks.get(hello.rank)
             if state is not None and not state.exited:
                 state.lost = True
-                self._fail(rank, "the rank's process vanished (killed, or its host was lost)")
-        elif hello.get("role") == "node":
-            node = int(hello.get("node", 0))
-            if node not in self.nodes_exited:
-                self._fail(
-                    AGENT, f"barrier task {node} on {hello.get('host')} was lost (executor died?)"
-                )
+                self._fail(hello.rank, "the rank's process vanished (killed, or its host was lost)")
+        elif hello.role == "node" and hello.node not in self.nodes_exited:
+            self._fail(
+                AGENT, f"barrier task {hello.node} on {hello.host} was lost (executor died?)"
+            )
 
-    def _rendezvous_ready(self, peer: channel.Peer, record: dict[str, Any]) -> None:
+    def _rendezvous_ready(self, port: RendezvousPort) -> None:
         """Task 0 hosts the store: pass its port to every task (those yet to connect too)."""
-        if record.get("error"):
-            self._fail(AGENT, str(record["error"]))
+        if port.error is not None:
+            self._fail(AGENT, port.error)
             return
-        self._rendezvous = json.dumps({"port": int(record["port"])}).encode()
+        self._rendezvous = port
         with self._lock:
             peers = list(self._node_peers.values())
         for node_peer in peers:
-            node_peer.reply(channel.RDZV, self._rendezvous)
+            node_peer.reply(RDZV, port.encode())
+        self._on_phase(events.RENDEZVOUS_READY, node=0, port=port.port)
 
     # -- state -------------------------------------------------------------------------------
     def _new_attempt(self, attempt: int) -> None:
@@ -222,11 +252,11 @@ class RunCollector(channel.ChannelHandler):
     def _rank_lines(self, rank: int, kind: int, lines: list[str]) -> None:
         state = self.ranks.setdefault(rank, _RankState())
         state.tail.extend(lines)
-        if rank == 0 and kind == channel.STDOUT and self._keep_stdout:
+        if rank == 0 and kind == STDOUT and self._keep_stdout:
             self._keep_rank0_stdout(lines)
         if self._log_ranks is not None and rank not in self._log_ranks:
             return
-        level = logging.INFO if kind == channel.STDOUT else logging.WARNING
+        level = logging.INFO if kind == STDOUT else logging.WARNING
         self._emit(level, f"[rank {rank}|{state.host}]", lines)
 
     def _agent_lines(self, node: int, host: str, kind: int, lines: list[str]) -> None:
@@ -235,7 +265,7 @@ class RunCollector(channel.ChannelHandler):
             # torchrun's own traceback about the signal we sent it is noise, not news.
             level = logging.DEBUG
         else:
-            level = logging.INFO if kind == channel.STDOUT else logging.WARNING
+            level = logging.INFO if kind == STDOUT else logging.WARNING
         self._emit(level, f"[torchrun node {node}|{host}]", lines)
 
     def _emit(self, level: int, prefix: str, lines: list[str]) -> None:
@@ -252,7 +282,7 @@ class RunCollector(channel.ChannelHandler):
 
     def agent_output(self, node: int, host: str, stderr: bool) -> Callable[[list[str]], None]:
         """An ``emit`` for :func:`~sparktorch_ops.process.pump_lines` of a local agent."""
-        kind = channel.STDERR if stderr else channel.STDOUT
+        kind = STDERR if stderr else STDOUT
 
         def emit(lines: list[str]) -> None:
             with self._lock:
@@ -277,13 +307,13 @@ class RunCollector(channel.ChannelHandler):
             return f"{note}\n{text}"
         return text
 
-    def _metric(self, rank: int, record: dict[str, Any]) -> None:
+    def _metric(self, rank: int, report: MetricReport) -> None:
         metric = MetricRecord(
             rank=rank,
-            step=int(record["step"]),
-            time=float(record["time"]),
-            values=dict(record["values"]),
-            progress=record.get("progress"),
+            step=report.step,
+            time=report.time,
+            values=dict(report.values),
+            progress=report.progress,
         )
         self.metrics.append(metric)
         if self._on_metrics is not None:
@@ -292,11 +322,12 @@ class RunCollector(channel.ChannelHandler):
             except Exception:
                 self._log.exception("sparktorch_ops: the on_metrics callback raised; ignored")
 
-    def _exit(self, rank: int, record: dict[str, Any]) -> None:
+    def _exit(self, rank: int, report: ExitReport) -> None:
         state = self.ranks.setdefault(rank, _RankState())
         state.exited = True
-        state.exit_code = record.get("exit_code")
-        state.signal = record.get("signal")
+        state.exit_code = report.exit_code
+        state.signal = report.signal
+        self._on_phase(events.RANK_EXITED, rank=rank, exit_code=report.exit_code)
         if state.exit_code != 0:
             self._fail(rank, "")
 
@@ -305,11 +336,14 @@ class RunCollector(channel.ChannelHandler):
             state = self.ranks.setdefault(rank, _RankState())
             if reason and not state.reason:
                 state.reason = reason
-            if state.failed_at is None:
+            first_time = state.failed_at is None
+            if first_time:
                 state.failed_at = time.time()
                 self.failure_order.append(rank)
                 if self.attempt >= self._max_restarts:
                     self.fatal = True
+        if first_time:
+            self._on_phase(events.RANK_FAILED, rank=None if rank == AGENT else rank)
 
     # -- summaries ---------------------------------------------------------------------------
     def exit_codes(self) -> dict[int, int]:
@@ -360,8 +394,22 @@ class RunCollector(channel.ChannelHandler):
         """Every rank of the current attempt reported its exit and every rank client hung up."""
         exited = sum(1 for r, s in self.ranks.items() if r >= 0 and s.exited)
         with self._lock:
-            ranks_open = any(h.get("role") != "node" for h in self.open_peers.values())
+            ranks_open = any(h.role != "node" for h in self.open_peers.values())
         return exited >= num_processes and not ranks_open
+
+    @property
+    def failed(self) -> bool:
+        """Whether any rank of the current attempt has failed (fatal or not)."""
+        return bool(self.failure_order)
+
+    def begin_teardown(self) -> None:
+        """The driver is stopping the run: torchrun's complaints about it are not news."""
+        self.tearing_down = True
+
+    def all_disconnected(self) -> bool:
+        """Every client of the run has hung up."""
+        with self._lock:
+            return not self.open_peers
 
     def nodes_done(self, num_tasks: int) -> bool:
         """Every barrier task reported how its agent exited, all with success."""

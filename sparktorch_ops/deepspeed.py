@@ -26,6 +26,7 @@ from typing import Any
 
 from sparktorch_ops.distributor import TorchDistributor
 from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.payload import check_train
 from sparktorch_ops.results import RunResult
 
 DEEPSPEED_FLAG = "--deepspeed"
@@ -258,22 +259,8 @@ class DeepspeedTorchDistributor(TorchDistributor):
                 "DeepspeedTorchDistributor runs a DeepSpeed script (a path); for a function, "
                 "use TorchDistributor and pass the config to deepspeed.initialize(config=...)",
             )
-        if not isinstance(train_object, (str, os.PathLike)):
-            raise ConfigError(
-                "train_object",
-                f"must be the path of a DeepSpeed script, got {type(train_object).__name__}",
-            )
-        if kwargs:
-            raise ConfigError(
-                "kwargs",
-                f"a script takes command-line arguments only; pass {sorted(kwargs)} as "
-                "'--name=value' strings in args",
-            )
-        script = Path(train_object).expanduser().resolve()
-        if not script.is_file():
-            raise ConfigError(
-                "train_object", f"script {str(train_object)!r} does not exist (resolved: {script})"
-            )
+        script = check_train(train_object, args, kwargs)
+        assert isinstance(script, Path)  # a callable was refused above
         source = script.read_bytes()
         shim_dir = tempfile.mkdtemp(prefix="sparktorch-deepspeed-shim-")
         try:

@@ -1,4 +1,9 @@
-"""TorchDistributor: validate -> plan -> launch (local or barrier) -> collect a RunResult."""
+"""TorchDistributor: job -> facts -> plan -> launch (local or barrier) -> a RunResult.
+
+A run is driven by :class:`_Run`: its state machine (:mod:`sparktorch_ops.events`) moves through
+preparing (Spark session, preflight checks), starting (channel, plan, agents), running and
+finishing, and every step is a phase event for the ``on_event`` hook.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import datetime
 import logging
 import os
 import secrets
+import socket
+import sys
 import threading
 import time
 import uuid
@@ -16,6 +23,7 @@ from typing import Any
 import cloudpickle
 import pendulum
 
+from sparktorch_ops import events
 from sparktorch_ops import spark as spark_support
 from sparktorch_ops.channel import ChannelServer
 from sparktorch_ops.collector import RunCollector
@@ -27,10 +35,19 @@ from sparktorch_ops.errors import (
     TrainingFailedError,
     TrainingTimeoutError,
 )
-from sparktorch_ops.launchers import BarrierLauncher, LocalLauncher
-from sparktorch_ops.payload import FunctionCall, Payload, prepare
-from sparktorch_ops.planning import BarrierLayout, barrier_layout, select_local_gpus
+from sparktorch_ops.events import RunState, RunStateMachine
+from sparktorch_ops.job import CancelToken, TrainingJob
+from sparktorch_ops.launchers import BarrierLauncher, Launcher, LocalLauncher
+from sparktorch_ops.payload import FunctionCall, describe
+from sparktorch_ops.planning import (
+    RunFacts,
+    RunPlan,
+    barrier_layout,
+    plan_run,
+    select_local_gpus,
+)
 from sparktorch_ops.results import MetricRecord, RunResult
+from sparktorch_ops.spark import SparkSettings
 from sparktorch_ops.spec import LaunchSpec
 
 _POLL_S = 0.05
@@ -49,11 +66,16 @@ def _machine_gpu_count() -> int:
     return int(torch.cuda.device_count())
 
 
+def _new_run_id() -> str:
+    return f"sparktorch-{uuid.uuid4().hex[:16]}"
+
+
 class TorchDistributor:
     """Run a PyTorch training function or script with torchrun, locally or on Spark.
 
     A drop-in for ``pyspark.ml.torch.distributor.TorchDistributor`` (same defaults, same
-    ``run``), plus ``launch`` (a :class:`RunResult`), ``cancel`` and the options below.
+    ``run``), plus ``launch`` (a :class:`RunResult`), ``plan`` (a dry run), ``cancel`` and the
+    options below.
 
     Args:
         num_processes: total number of ranks.
@@ -67,6 +89,7 @@ class TorchDistributor:
         logger: receives every rank's output (stdout at INFO, stderr at WARNING): a
             ``logging.Logger``, an adapter, or anything with ``log(level, msg, *args)``.
         on_metrics: called with every ``sparktorch_ops.report()`` record as it arrives.
+        on_event: called with every :class:`~sparktorch_ops.events.PhaseEvent` of a run.
         start_timeout: seconds to wait for task slots, executors and the rendezvous.
         timeout: seconds (or a timedelta) the whole run may take.
         log_ranks: ranks whose output is forwarded to ``logger`` (default: all).
@@ -85,6 +108,7 @@ class TorchDistributor:
         torchrun_args: Iterable[str] | None = None,
         logger: Any = None,
         on_metrics: Callable[[MetricRecord], None] | None = None,
+        on_event: Callable[[events.PhaseEvent], None] | None = None,
         start_timeout: float | datetime.timedelta | None = None,
         timeout: float | datetime.timedelta | None = None,
         log_ranks: Iterable[int] | None = None,
@@ -102,12 +126,13 @@ class TorchDistributor:
             log_ranks=log_ranks,  # type: ignore[arg-type]
             logger=logger,
             on_metrics=on_metrics,
+            on_event=on_event,
             allow_unencrypted_channel=allow_unencrypted_channel,
         )
         if spark is not None:
             spark_support.refuse_connect(spark)
         self.spark = spark
-        self._runs: list[_Run] = []
+        self._tokens: list[CancelToken] = []
 
     @property
     def num_processes(self) -> int:
@@ -123,6 +148,24 @@ class TorchDistributor:
     def use_gpu(self) -> bool:
         """Whether each rank gets a GPU."""
         return self.spec.use_gpu
+
+    def job(
+        self, train_object: Callable[..., Any] | str | os.PathLike[str], *args: Any, **kwargs: Any
+    ) -> TrainingJob:
+        """The validated, packed job that ``run`` would launch (nothing starts).
+
+        Raises:
+            ConfigError: a bad train object or arguments.
+        """
+        return self._job(CancelToken(), train_object, args, kwargs)
+
+    def _job(
+        self, token: CancelToken, train_object: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> TrainingJob:
+        if isinstance(train_object, os.PathLike):
+            train_object = os.fspath(train_object)
+        settings = SparkSettings(session=self.spark, stop_created_session=False)
+        return TrainingJob(train_object, args, kwargs, self.spec, settings, token)
 
     def run(
         self, train_object: Callable[..., Any] | str | os.PathLike[str], *args: Any, **kwargs: Any
@@ -150,14 +193,26 @@ class TorchDistributor:
         self, train_object: Callable[..., Any] | str | os.PathLike[str], *args: Any, **kwargs: Any
     ) -> RunResult:
         """Like :meth:`run`, but return the whole :class:`RunResult`."""
-        run = _Run(self.spec)
-        self._runs.append(run)  # from here on, cancel() reaches this run
+        token = CancelToken()
+        self._tokens.append(token)  # from here on, cancel() reaches this run (packing too)
         try:
-            run.payload = prepare(train_object, args, kwargs)
-            run.session, run.gpus = self._resolve_resources()
-            return run.execute()
+            return launch_job(self._job(token, train_object, args, kwargs))
         finally:
-            self._runs.remove(run)
+            self._tokens.remove(token)
+
+    def plan(
+        self, train_object: Callable[..., Any] | str | os.PathLike[str], *args: Any, **kwargs: Any
+    ) -> RunPlan:
+        """A dry run: the plan ``run`` would follow, with nothing started.
+
+        Facts that need I/O (the channel's port, hosts, the task's GPUs, the rendezvous port)
+        appear as placeholders, and the run's secret is not in the plan;
+        ``plan(...).to_dict()`` is JSON-safe.
+
+        Raises:
+            ConfigError: what ``run`` would reject before launching.
+        """
+        return plan_job(self.job(train_object, *args, **kwargs))
 
     def cancel(self) -> None:
         """Cancel every run of this distributor in progress; do nothing when none is.
@@ -166,47 +221,53 @@ class TorchDistributor:
         that the run's own thread acts on, and the caller of ``run`` then raises
         :class:`TrainingCancelledError` once everything of the run is gone.
         """
-        for run in list(self._runs):
-            run.request_cancel("cancel() was called")
+        for token in list(self._tokens):
+            token.cancel("cancel() was called")
 
-    def _resolve_resources(self) -> tuple[Any, list[str] | None]:
-        spec = self.spec
-        if spec.local_mode:
-            if not spec.use_gpu:
-                return None, None
-            # Only the session's driver GPUs matter here; no session is started for them.
-            session = self.spark if self.spark is not None else spark_support.active_session()
-            gpus = select_local_gpus(
-                spec.num_processes,
-                spark_driver_gpus=spark_support.driver_gpus(session),
-                cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                device_count=_machine_gpu_count(),
-            )
-            return None, gpus
-        return spark_support.session_for_barrier(self.spark), None
+
+def launch_job(job: TrainingJob) -> RunResult:
+    """Run a job to its end; cancel it with ``job.cancel_token``.
+
+    Raises:
+        As :meth:`TorchDistributor.run`.
+    """
+    return _Run(job).execute()
+
+
+def plan_job(job: TrainingJob) -> RunPlan:
+    """The plan of a job without I/O: placeholders for what only a launch finds out."""
+    spec = job.options
+    task_cpus, gpu_amount = 1, None
+    if not spec.local_mode:
+        # From the job's Spark settings (a dry run starts no session); Spark's defaults else.
+        conf = dict(job.spark.conf)
+        task_cpus = int(conf.get("spark.task.cpus", "1"))
+        amount = conf.get("spark.task.resource.gpu.amount")
+        gpu_amount = float(amount) if amount is not None else None
+    facts = RunFacts(
+        run_id=_new_run_id(),
+        python=sys.executable,
+        cpu_count=os.cpu_count(),
+        task_cpus=task_cpus,
+        task_gpu_amount=gpu_amount,
+    )
+    return plan_run(spec, describe(job.payload), facts)
 
 
 class _Run:
     """One launch: a helper thread drives it while the caller's thread waits in plain Python."""
 
-    def __init__(self, spec: LaunchSpec) -> None:
-        self.spec = spec
-        self.payload: Payload = FunctionCall(b"")
-        self.session: Any = None
-        self.gpus: list[str] | None = None
-        self.run_id = f"sparktorch-{uuid.uuid4().hex[:16]}"
-        self.log = spec.logger or _default_logger
-        self.cancel_reason: str | None = None
+    def __init__(self, job: TrainingJob) -> None:
+        self.job = job
+        self.spec = job.options
+        self.run_id = _new_run_id()
+        self.log = self.spec.logger or _default_logger
+        self.machine = RunStateMachine(self.run_id, self.spec.on_event, self.log)
         self.done = False
         self.outcome: RunResult | BaseException | None = None
 
-    def request_cancel(self, reason: str) -> None:
-        """Ask the run to stop (only sets a flag: safe in a signal handler)."""
-        if self.cancel_reason is None:
-            self.cancel_reason = reason
-
     def execute(self) -> RunResult:
-        self._check_cancelled()  # cancelled while the call was being packed
+        self._check_cancelled()  # cancelled while the job was being built
         context = contextvars.copy_context()
         thread = threading.Thread(
             target=context.run, args=(self._drive,), name=self.run_id, daemon=True
@@ -218,7 +279,9 @@ class _Run:
         except BaseException as exc:
             # Interrupted (Ctrl-C, an orchestrator's timeout or kill): stop the run, then let
             # the interruption propagate.
-            self.request_cancel(f"the waiting thread was interrupted by {type(exc).__name__}")
+            self.job.cancel_token.cancel(
+                f"the waiting thread was interrupted by {type(exc).__name__}"
+            )
             deadline = time.monotonic() + 60
             while not self.done and time.monotonic() < deadline:
                 try:
@@ -233,75 +296,152 @@ class _Run:
 
     def _drive(self) -> None:
         try:
-            self.outcome = self._launch_and_wait()
+            self.outcome = self._prepare_and_launch()
+            final = RunState.SUCCEEDED
         except BaseException as exc:
             self.outcome = exc
+            final = _final_state(exc)
         finally:
-            self.done = True
+            self.done = True  # the caller may return now; the final event follows at once
+        self.machine.finish(final)
 
-    def _launch_and_wait(self) -> RunResult:
-        spec = self.spec
+    def _check_cancelled(self) -> None:
+        reason = self.job.cancel_token.reason
+        if reason is not None:
+            raise TrainingCancelledError(reason)
+
+    def _prepare_and_launch(self) -> RunResult:
+        spec, machine = self.spec, self.machine
         started_at = pendulum.now("UTC")
         started = time.monotonic()
-        sc = None
-        layout = None
-        if not spec.local_mode:
-            sc = self.session.sparkContext
-            spark_support.check_barrier_conf(
-                sc, allow_unencrypted_channel=spec.allow_unencrypted_channel
-            )
-            layout = barrier_layout(
-                spec.num_processes, spec.use_gpu, spark_support.task_gpu_amount(sc)
-            )
-            spark_support.wait_for_slots(
-                sc, layout.num_tasks, spec.start_timeout, lambda: self.cancel_reason is not None
+        machine.to(RunState.PREPARING)
+        machine.emit(events.PAYLOAD_PACKED, payload=describe(self.job.payload))
+        if spec.local_mode:
+            if self.job.spark.configured:
+                self.log.warning(
+                    "sparktorch_ops: the Spark master and settings are not used with "
+                    "local_mode=True (the ranks run on this machine); pass local_mode=False "
+                    "to train on the Spark cluster"
+                )
+            return self._launch(started_at, started, None, self._local_gpus())
+        handle = spark_support.get_session(self.job.spark, self.log)
+        try:
+            sc = handle.session.sparkContext
+            machine.emit(
+                events.SESSION_READY,
+                app_id=sc.applicationId,
+                ui_url=spark_support.ui_url(sc),
+                master=sc.master,
+                created=handle.created,
             )
             self._check_cancelled()
-            spark_support.probe_executors(sc, layout.num_tasks)
+            self._preflight(sc)
+            return self._launch(started_at, started, sc, None)
+        finally:
+            spark_support.stop_session(handle)
+
+    def _local_gpus(self) -> tuple[str, ...] | None:
+        spec = self.spec
+        if not spec.use_gpu:
+            return None
+        # Only the session's driver GPUs matter here; no session is started for them.
+        session = self.job.spark.session or spark_support.active_session()
+        return tuple(
+            select_local_gpus(
+                spec.num_processes,
+                spark_driver_gpus=spark_support.driver_gpus(session),
+                cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                device_count=_machine_gpu_count(),
+            )
+        )
+
+    def _preflight(self, sc: Any) -> None:
+        """Barrier mode: settings, layout, slots and the executors' Python, before launch."""
+        spec = self.spec
+        spark_support.check_barrier_conf(
+            sc, allow_unencrypted_channel=spec.allow_unencrypted_channel
+        )
+        layout = barrier_layout(spec.num_processes, spec.use_gpu, spark_support.task_gpu_amount(sc))
+        spark_support.wait_for_slots(
+            sc,
+            layout.num_tasks,
+            spec.start_timeout,
+            lambda: self.job.cancel_token.cancelled,
+        )
+        self._check_cancelled()
+        self.machine.emit(events.SLOTS_READY, tasks=layout.num_tasks)
+        spark_support.probe_executors(sc, layout.num_tasks)
+        self.machine.emit(events.EXECUTORS_CHECKED)
+
+    def _launch(
+        self,
+        started_at: pendulum.DateTime,
+        started: float,
+        sc: Any,
+        local_gpus: tuple[str, ...] | None,
+    ) -> RunResult:
+        spec, machine = self.spec, self.machine
+        payload = self.job.payload
         collector = RunCollector(
             self.log,
             log_ranks=spec.log_ranks,
             on_metrics=spec.on_metrics,
             max_restarts=spec.max_restarts,
-            keep_rank0_stdout=not isinstance(self.payload, FunctionCall),
+            keep_rank0_stdout=not isinstance(payload, FunctionCall),
+            on_phase=lambda name, **where: self._on_phase(collector, name, **where),
         )
         host = "127.0.0.1" if sc is None else spark_support.driver_host(sc)
         token = secrets.token_hex(32)
         server = ChannelServer(host, collector, self.log, token)
-        launcher: LocalLauncher | BarrierLauncher | None = None
+        machine.emit(events.CHANNEL_OPEN, address=server.address)
+        launcher: Launcher | None = None
         try:
+            facts = RunFacts(
+                run_id=self.run_id,
+                python=sys.executable,
+                channel_address=server.address,
+                driver_host=socket.gethostname(),
+                cpu_count=os.cpu_count(),
+                local_gpus=local_gpus,
+                task_cpus=spark_support.task_cpus(sc) if sc is not None else 1,
+                task_gpu_amount=spark_support.task_gpu_amount(sc) if sc is not None else None,
+            )
+            plan = plan_run(spec, describe(payload), facts)
+            machine.emit(events.PLANNED, nodes=plan.layout.num_tasks)
             self._check_cancelled()
+            machine.to(RunState.STARTING)
             if sc is None:
-                launcher = LocalLauncher(
-                    spec, self.run_id, self.payload, server.address, token, collector, self.gpus
-                )
+                launcher = LocalLauncher(plan, payload, token, collector)
             else:
-                assert layout is not None
-                launcher = BarrierLauncher(
-                    spec, self.run_id, self.payload, server.address, token, sc, layout
-                )
+                launcher = BarrierLauncher(plan, payload, token, sc, release=server.close)
+            launcher.start()
+            machine.emit(events.LAUNCHER_STARTED)
             self.log.info(
                 "sparktorch_ops: %s started %d ranks in %s mode",
                 self.run_id,
                 spec.num_processes,
                 spec.mode,
             )
-            code, note = self._supervise(launcher, collector, started, server, layout)
-            if code == 0 and not collector.failure_order:
+            code, note = self._supervise(launcher, collector, server, plan, started)
+            machine.to(RunState.FINISHING)
+            if code == 0 and not collector.failed:
                 server.drain(lambda: collector.supervisors_done(spec.num_processes), _DRAIN_S)
-            if code != 0 or collector.failure_order:
+                machine.emit(events.DRAINED)
+            if code != 0 or collector.failed:
                 raise TrainingFailedError(collector.failures(), note)
             value = self._value(collector)
         except BaseException:
             if launcher is not None:
-                collector.tearing_down = True
+                machine.emit(events.TEARDOWN)
+                collector.begin_teardown()
                 launcher.teardown()
-                server.drain(lambda: not collector.open_peers, _COLLATERAL_S)
+                server.drain(collector.all_disconnected, _COLLATERAL_S)
             raise
         finally:
             server.close()
             if launcher is not None:
                 launcher.finish()
+                machine.emit(events.LAUNCHER_FINISHED)
         return RunResult(
             value=value,
             exit_codes=collector.exit_codes(),
@@ -317,17 +457,23 @@ class _Run:
             run_id=self.run_id,
         )
 
-    def _check_cancelled(self) -> None:
-        if self.cancel_reason is not None:
-            raise TrainingCancelledError(self.cancel_reason)
+    def _on_phase(self, collector: RunCollector, name: str, **where: Any) -> None:
+        """A phase seen on the channel; the last rank to connect makes the run RUNNING."""
+        self.machine.emit(name, **where)
+        if (
+            name == events.SUPERVISOR_CONNECTED
+            and self.machine.state is RunState.STARTING
+            and collector.started_ranks() >= self.spec.num_processes
+        ):
+            self.machine.to(RunState.RUNNING)
 
     def _supervise(
         self,
-        launcher: LocalLauncher | BarrierLauncher,
+        launcher: Launcher,
         collector: RunCollector,
-        started: float,
         server: ChannelServer,
-        layout: BarrierLayout | None,
+        plan: RunPlan,
+        started: float,
     ) -> tuple[int, str]:
         spec = self.spec
         released = False
@@ -336,15 +482,16 @@ class _Run:
             elapsed = time.monotonic() - started
             if spec.timeout is not None and elapsed > spec.timeout:
                 raise TrainingTimeoutError("timeout", spec.timeout)
+            connected = collector.started_ranks()
             if (
-                spec.start_timeout is not None
+                connected < spec.num_processes
+                and spec.start_timeout is not None
                 and elapsed > spec.start_timeout
-                and collector.started_ranks() < spec.num_processes
             ):
                 raise StartTimeoutError(
                     "start_timeout",
                     spec.start_timeout,
-                    f"only {collector.started_ranks()} of {spec.num_processes} ranks started",
+                    f"only {connected} of {spec.num_processes} ranks started",
                 )
             if collector.fatal:
                 # The failed rank reports its exit a moment after its failure: wait for that
@@ -353,12 +500,15 @@ class _Run:
                 while not collector.failed_ranks_reported() and time.monotonic() < deadline:
                     time.sleep(_POLL_S / 5)
                 return 1, ""
-            if layout is not None and not released and collector.nodes_done(layout.num_tasks):
-                # Every agent is done with the rendezvous store: closing the channel tells task
-                # 0 it may drop the store and lets the barrier job finish (a Spark barrier()
-                # call would cost about a second).
+            if (
+                isinstance(launcher, BarrierLauncher)
+                and not released
+                and collector.nodes_done(plan.layout.num_tasks)
+            ):
+                # Every agent is done with the rendezvous store; the supervisors' last frames
+                # are read before the release closes the channel.
                 server.drain(lambda: collector.supervisors_done(spec.num_processes), _DRAIN_S)
-                server.close()
+                launcher.release_rendezvous()
                 released = True
             status = launcher.poll()
             if status is not None:
@@ -366,7 +516,7 @@ class _Run:
             time.sleep(_POLL_S)
 
     def _value(self, collector: RunCollector) -> Any:
-        if not isinstance(self.payload, FunctionCall):
+        if not isinstance(self.job.payload, FunctionCall):
             return collector.rank0_stdout()
         if collector.result is None:
             raise ChannelError(
@@ -379,3 +529,11 @@ class _Run:
                 f"rank 0's return value cannot be unpickled on the driver: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+
+
+def _final_state(error: BaseException) -> RunState:
+    if isinstance(error, TrainingCancelledError) or not isinstance(error, Exception):
+        return RunState.CANCELLED
+    if isinstance(error, (StartTimeoutError, TrainingTimeoutError)):
+        return RunState.TIMED_OUT
+    return RunState.FAILED

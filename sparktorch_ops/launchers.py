@@ -1,8 +1,10 @@
-"""The two ways a run's agents start: on the driver, or in Spark barrier tasks.
+"""The two ways a run's agents start, acting on a :class:`~sparktorch_ops.planning.RunPlan`.
 
-Both expose the same small surface to the run loop in :mod:`sparktorch_ops.distributor`:
-``poll()`` (None while running, else the overall exit status and a note) and ``teardown()``
-(idempotent: stop everything of the run).
+Constructing a launcher does nothing; ``start()`` does the I/O (a work directory and the agent on
+the driver, or the Spark barrier job). Both then expose the same small surface to the run loop
+in :mod:`sparktorch_ops.distributor`: ``poll()`` (None while running, else the overall exit
+status and a note), ``teardown()`` (idempotent: stop everything of the run) and ``finish()``
+(after the run, however it ended).
 """
 
 from __future__ import annotations
@@ -10,82 +12,75 @@ from __future__ import annotations
 import contextvars
 import os
 import shutil
-import socket
-import sys
 import tempfile
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
-from sparktorch_ops import spark as spark_support
-from sparktorch_ops.agent import LAUNCHER_PID_ENV
-from sparktorch_ops.barrier import BarrierTask
+from sparktorch_ops.barrier import BarrierTask, TaskReport
 from sparktorch_ops.collector import RunCollector
 from sparktorch_ops.payload import Payload, write_rank_payload
-from sparktorch_ops.planning import (
-    RUN_ID_ENV,
-    BarrierLayout,
-    agent_argv,
-    agent_env,
-    barrier_omp_threads,
-    local_omp_threads,
-)
+from sparktorch_ops.planning import RUN_ID_ENV, RunPlan
 from sparktorch_ops.process import AgentProcess, marked_processes, terminate_processes
-from sparktorch_ops.spec import LaunchSpec
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
 
 
+class Launcher(Protocol):
+    """What the run loop needs of a launcher."""
+
+    def start(self) -> None:
+        """Start the run's agents."""
+
+    def poll(self) -> tuple[int, str] | None:
+        """None while running; else the overall exit status and a note."""
+
+    def teardown(self) -> None:
+        """Stop everything of the run (idempotent)."""
+
+    def finish(self) -> None:
+        """After the run, however it ended: nothing of it left."""
+
+
 class LocalLauncher:
-    """One torchrun agent on the driver, with N ranks."""
+    """One torchrun agent on the driver, with every rank."""
 
     def __init__(
-        self,
-        spec: LaunchSpec,
-        run_id: str,
-        payload: Payload,
-        channel_address: str,
-        token: str,
-        collector: RunCollector,
-        gpus: list[str] | None,
+        self, plan: RunPlan, payload: Payload, token: str, collector: RunCollector
     ) -> None:
-        self._run_id = run_id
-        self._workdir = tempfile.mkdtemp(prefix=f"{run_id}-")
-        host = socket.gethostname()
-        env = agent_env(
+        (self._node,) = plan.nodes
+        self._plan = plan
+        self._payload = payload
+        self._token = token
+        self._collector = collector
+        self._workdir: str | None = None
+        self._agent: AgentProcess | None = None
+
+    def start(self) -> None:
+        """Write the payload into a fresh work directory and start the agent."""
+        plan, node = self._plan, self._node
+        self._workdir = tempfile.mkdtemp(prefix=f"{plan.run_id}-")
+        agent = node.bind(
             os.environ,
-            spec.env,
-            run_id=run_id,
-            channel=channel_address,
-            token=token,
-            payload_path=write_rank_payload(payload, self._workdir, in_place=True),
-            host=host,
-            omp_threads=local_omp_threads(os.cpu_count(), spec.num_processes),
-            cuda_visible_devices=",".join(gpus) if gpus is not None else None,
-        )
-        env[LAUNCHER_PID_ENV] = str(os.getpid())
-        argv = agent_argv(
-            python=sys.executable,
-            run_id=run_id,
-            nnodes=1,
-            nproc_per_node=spec.num_processes,
-            rdzv_endpoint="127.0.0.1:0",
-            local_addr="127.0.0.1",
-            max_restarts=spec.max_restarts,
-            is_rdzv_host=None,
-            join_timeout=spec.start_timeout,
-            extra_args=spec.torchrun_args,
+            run_id=plan.run_id,
+            channel=plan.channel_address,
+            token=self._token,
+            payload_path=write_rank_payload(self._payload, self._workdir, in_place=True),
+            launcher_pid=os.getpid(),
         )
         self._agent = AgentProcess(
-            argv,
-            env,
+            agent.argv,
+            agent.env,
             None,
-            on_stdout=collector.agent_output(0, host, stderr=False),
-            on_stderr=collector.agent_output(0, host, stderr=True),
+            on_stdout=self._collector.agent_output(0, node.host, stderr=False),
+            on_stderr=self._collector.agent_output(0, node.host, stderr=True),
         )
 
     def poll(self) -> tuple[int, str] | None:
+        """The agent's exit status once it is gone."""
+        assert self._agent is not None
         code = self._agent.poll()
         if code is None:
             return None
@@ -97,99 +92,108 @@ class LocalLauncher:
         self.teardown()
 
     def teardown(self) -> None:
-        self._agent.terminate(grace=3.0)
-        terminate_processes(marked_processes(RUN_ID_ENV, self._run_id), grace=1.0)
-        shutil.rmtree(self._workdir, ignore_errors=True)
+        """Stop the agent (SIGTERM, then SIGKILL) and every process of the run."""
+        if self._agent is not None:
+            self._agent.terminate(grace=3.0)
+        terminate_processes(marked_processes(RUN_ID_ENV, self._plan.run_id), grace=1.0)
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
 
 
 class BarrierLauncher:
-    """One Spark barrier stage; each task runs one agent (see :mod:`sparktorch_ops.barrier`)."""
+    """One Spark barrier stage; each task runs one agent (see :mod:`sparktorch_ops.barrier`).
+
+    Args:
+        plan: the run plan (barrier mode).
+        payload: what the ranks run.
+        token: the run's secret.
+        sc: the SparkContext.
+        release: closes the driver's channel. Task 0 hosts the rendezvous store and keeps it
+            until the driver says the run is over; closing the channel is how it says it.
+    """
 
     def __init__(
         self,
-        spec: LaunchSpec,
-        run_id: str,
+        plan: RunPlan,
         payload: Payload,
-        channel_address: str,
         token: str,
         sc: SparkContext,
-        layout: BarrierLayout,
+        release: Callable[[], None],
     ) -> None:
+        self._plan = plan
+        self._task = BarrierTask(plan=plan, token=token, payload=payload)
         self._sc = sc
-        self._tag = run_id
-        self._records: list[dict[str, Any]] | None = None
+        self._release = release
+        self._reports: list[TaskReport] | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
-        task = BarrierTask(
-            run_id=run_id,
-            channel_address=channel_address,
-            token=token,
-            payload=payload,
-            num_tasks=layout.num_tasks,
-            ranks_per_task=layout.ranks_per_task,
-            max_restarts=spec.max_restarts,
-            omp_threads=barrier_omp_threads(spark_support.task_cpus(sc), layout.ranks_per_task),
-            use_gpu=spec.use_gpu,
-            join_timeout=spec.start_timeout,
-            torchrun_args=spec.torchrun_args,
-            user_env=dict(spec.env),
-        )
-        rdd = sc.parallelize(range(layout.num_tasks), layout.num_tasks).barrier()
-        description = f"sparktorch_ops {run_id}: {spec.num_processes} ranks"
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Submit the barrier job from a helper thread (``collect`` blocks until it ends)."""
         context = contextvars.copy_context()
         self._thread = threading.Thread(
-            target=context.run,
-            args=(self._run_job, rdd, task, description),
-            name=f"{run_id}-job",
-            daemon=True,
+            target=context.run, args=(self._run_job,), name=f"{self._plan.run_id}-job", daemon=True
         )
         self._thread.start()
 
-    def _run_job(self, rdd: Any, task: BarrierTask, description: str) -> None:
-        sc = self._sc
+    def _run_job(self) -> None:
+        sc, plan = self._sc, self._plan
         try:
-            sc.addJobTag(self._tag)
+            sc.addJobTag(plan.run_id)
             sc.setInterruptOnCancel(True)
-            sc.setLocalProperty("spark.job.description", description)
-            self._records = rdd.mapPartitions(task).collect()
+            sc.setLocalProperty(
+                "spark.job.description",
+                f"sparktorch_ops {plan.run_id}: {plan.num_processes} ranks",
+            )
+            num_tasks = plan.layout.num_tasks
+            rdd = sc.parallelize(range(num_tasks), num_tasks).barrier()
+            self._reports = rdd.mapPartitions(self._task).collect()
         except BaseException as exc:  # reported by poll()
             self._error = exc
         finally:
             try:
-                sc.removeJobTag(self._tag)
+                sc.removeJobTag(plan.run_id)
             except Exception:
                 pass
             self._done.set()
 
+    def release_rendezvous(self) -> None:
+        """Every agent is done with the store: let task 0 drop it and the tasks end."""
+        self._release()
+
     def poll(self) -> tuple[int, str] | None:
+        """The job's overall status once it has ended, with each failed task's story."""
         if not self._done.is_set():
             return None
         if self._error is not None:
             return 1, f"the Spark job failed: {_first_line(self._error)}"
-        records = self._records or []
-        notes = [f"task {r['node']}: {r['error']}" for r in records if r.get("error")]
-        failed = [r for r in records if r.get("exit_code") != 0]
+        reports = self._reports or []
+        notes = [f"task {r.node}: {r.error}" for r in reports if r.error]
+        failed = [r for r in reports if r.exit_code != 0]
         if not failed:
             return 0, ""
         notes += [
-            f"torchrun on task {r['node']} ({r['host']}) exited with code {r['exit_code']}"
+            f"torchrun on task {r.node} ({r.host}) exited with code {r.exit_code}"
             for r in failed
-            if not r.get("error")
+            if not r.error
         ]
         return 1, "; ".join(notes)
 
     def teardown(self) -> None:
-        if self._done.is_set():
+        """Cancel the job by its tag; the tasks stop their agents when the channel closes."""
+        if self._done.is_set() or self._thread is None:
             return
         try:
-            self._sc.cancelJobsWithTag(self._tag)
+            self._sc.cancelJobsWithTag(self._plan.run_id)
         except Exception:  # the channel closing stops the tasks' agents all the same
             pass
         self._wait_stopped(5.0)
 
     def finish(self) -> None:
         """After the run, however it ended: wait (bounded) for the Spark job to be over."""
-        self._wait_stopped(30.0)
+        if self._thread is not None:
+            self._wait_stopped(30.0)
 
     def _wait_stopped(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -200,3 +204,6 @@ class BarrierLauncher:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+__all__ = ["BarrierLauncher", "Launcher", "LocalLauncher", "TaskReport"]

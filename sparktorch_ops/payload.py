@@ -11,13 +11,14 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import shlex
 import sys
 import sysconfig
 import threading
 import types
 from collections import ChainMap
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,9 +32,15 @@ _MAX_BY_VALUE_MODULES = 64
 
 @dataclass(frozen=True)
 class FunctionCall:
-    """A pickled ``fn(*args, **kwargs)``."""
+    """A pickled ``fn(*args, **kwargs)``.
 
-    data: bytes
+    Attributes:
+        data: the pickle.
+        name: the function's qualified name (for logs and plans).
+    """
+
+    data: bytes = field(repr=False)
+    name: str = "<function>"
 
 
 @dataclass(frozen=True)
@@ -41,59 +48,117 @@ class Script:
     """A script and its argv, with its bytes so it can run where it does not exist."""
 
     driver_path: str
-    source: bytes
+    source: bytes = field(repr=False)
     argv: tuple[str, ...]
 
 
 Payload = FunctionCall | Script
 
 
-def prepare(train_object: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Payload:
-    """Pack what the ranks will run; every problem is a ConfigError before anything starts.
+@dataclass(frozen=True)
+class ArgumentNames:
+    """What the caller calls the train object and its arguments, for error messages."""
+
+    train: str = "train_object"
+    args: str = "args"
+    kwargs: str = "kwargs"
+
+
+#: The names of the orchestrator wrappers' parameters.
+WRAPPER_NAMES = ArgumentNames("train", "train_args", "train_kwargs")
+
+
+def check_train(
+    train_object: Any,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    names: ArgumentNames = ArgumentNames(),
+) -> Callable[..., Any] | Path:
+    """The one check of "a callable, or an existing script that takes no kwargs".
+
+    Returns:
+        The callable, or the script's resolved path.
 
     Raises:
-        ConfigError: a missing script, kwargs for a script, an object that is neither callable
-            nor a path, or a function (or its arguments) that cannot be pickled.
+        ConfigError: naming the argument: a missing script, kwargs for a script, arguments
+            that are not a sequence, or an object that is neither callable nor a path.
     """
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise ConfigError(names.args, f"must be a list or tuple of arguments, got {args!r}")
+    if not isinstance(kwargs, Mapping):
+        raise ConfigError(names.kwargs, f"must be a mapping or None, got {kwargs!r}")
     if callable(train_object):
-        return FunctionCall(pickle_call(train_object, tuple(args), kwargs))
+        return train_object
     if isinstance(train_object, (str, os.PathLike)):
         path = Path(train_object).expanduser().resolve()
         if not path.is_file():
             raise ConfigError(
-                "train_object", f"script {str(train_object)!r} does not exist (resolved: {path})"
+                names.train,
+                f"the script {os.fspath(train_object)!r} does not exist (resolved: {path}, "
+                f"working directory {os.getcwd()})",
             )
         if kwargs:
             raise ConfigError(
-                "kwargs",
+                names.kwargs,
                 f"a script takes command-line arguments only; pass {sorted(kwargs)} as "
-                "'--name=value' strings in args",
+                f"'--name=value' strings in {names.args}",
             )
-        return Script(str(path), path.read_bytes(), tuple(str(a) for a in args))
+        return path
     raise ConfigError(
-        "train_object",
-        f"must be a callable or a path to a Python script, got {type(train_object).__name__}",
+        names.train,
+        f"must be a callable or the path of a Python script, got {type(train_object).__name__}",
     )
 
 
-def pickle_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+def prepare(
+    train_object: Any,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    names: ArgumentNames = ArgumentNames(),
+) -> Payload:
+    """Check and pack what the ranks will run; every problem is a ConfigError up front.
+
+    Raises:
+        ConfigError: as :func:`check_train`, or a function (or its arguments) that cannot be
+            pickled.
+    """
+    checked = check_train(train_object, args, kwargs, names)
+    if isinstance(checked, Path):
+        return Script(str(checked), checked.read_bytes(), tuple(str(a) for a in args))
+    target = getattr(checked, "func", checked)  # functools.partial
+    name = str(getattr(target, "__qualname__", None) or type(target).__name__)
+    return FunctionCall(pickle_call(checked, tuple(args), dict(kwargs), names.train), name)
+
+
+def describe(payload: Payload) -> str:
+    """What a run runs, in a few words: ``"train (function)"``, ``"/x/train.py (script)"``."""
+    if isinstance(payload, Script):
+        return f"{shlex.join([payload.driver_path, *payload.argv])} (script)"
+    return f"{payload.name} (function)"
+
+
+def pickle_call(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    argument: str = "train_object",
+) -> bytes:
     """cloudpickle ``(fn, args, kwargs)``, shipping non-importable user modules by value."""
     modules = _user_modules(fn)
     with _REGISTRY_LOCK:
         registered = []
         try:
             for module in modules:
-                try:
+                # A module the caller registered stays registered after this call.
+                if module.__name__ not in cloudpickle.list_registry_pickle_by_value():
                     cloudpickle.register_pickle_by_value(module)
                     registered.append(module)
-                except ValueError:  # already registered by the caller
-                    pass
             buffer = io.BytesIO()
             _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump((fn, args, kwargs))
             return buffer.getvalue()
         except Exception as exc:
             raise ConfigError(
-                "train_object",
+                argument,
                 f"{getattr(fn, '__qualname__', fn)!r} or its arguments cannot be pickled for "
                 f"the ranks: {type(exc).__name__}: {exc}",
             ) from exc

@@ -6,9 +6,9 @@ Nothing here does I/O; every function is tested by exact equality.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sparktorch_ops.errors import ConfigError, ResourceError
 
@@ -19,6 +19,8 @@ CHANNEL_ENV = "SPARKTORCH_OPS_CHANNEL"
 TOKEN_ENV = "SPARKTORCH_OPS_TOKEN"
 PAYLOAD_ENV = "SPARKTORCH_OPS_PAYLOAD"
 NODE_HOST_ENV = "SPARKTORCH_OPS_HOST"
+# The pid of the process that started a node's agent: the agent dies when that one does.
+LAUNCHER_PID_ENV = "SPARKTORCH_OPS_LAUNCHER_PID"
 # torch's fork-safe CUDA availability check (NVML, no CUDA initialisation); the agent turns it
 # on for itself when unset and says so in the second variable, so that ranks can drop it again.
 NVML_CUDA_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
@@ -30,14 +32,6 @@ BOOTSTRAP_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boo
 # Ranks are forked from the agent, which has already imported torch (DESIGN section 9);
 # torchrun_args may say --start-method=spawn to give each rank a fresh interpreter instead.
 DEFAULT_START_METHOD = "fork"
-
-
-@dataclass(frozen=True)
-class AgentPlan:
-    """How one node's torchrun agent is started: its argv and its full environment."""
-
-    argv: tuple[str, ...]
-    env: Mapping[str, str]
 
 
 @dataclass(frozen=True)
@@ -221,34 +215,18 @@ def select_local_gpus(
     return available[:num_processes]
 
 
-_LOCAL_MASTER = re.compile(r"local(\[[^\]]*\])?")
-_LOCAL_CLUSTER_MASTER = re.compile(r"local-cluster\[\s*(\d+)\s*,.*\]")
-
-
-def registration_grace(master: str, app_age_s: float, waiting_time_s: float) -> float:
+def registration_grace(in_process_master: bool, app_age_s: float, waiting_time_s: float) -> float:
     """Seconds left to wait for executors that a young application has not seen register yet.
 
     Executors of a cluster application register a few seconds after the session starts; Spark's
     own scheduler waits for them up to ``spark.scheduler.maxRegisteredResourcesWaitingTime``
     after start-up, so a run launched right after ``getOrCreate()`` does the same instead of
-    failing on "0 slots". ``local[N]`` has its slots from the start and gets no grace, so too
-    few slots there still fail at once.
+    failing on "0 slots". An in-process master (``local[N]``) has its slots from the start and
+    gets no grace, so too few slots there still fail at once.
     """
-    if _LOCAL_MASTER.fullmatch(master.strip()):
+    if in_process_master:
         return 0.0
     return max(0.0, waiting_time_s - app_age_s)
-
-
-def expected_executors(master: str, executor_instances: str | None) -> int | None:
-    """How many executors the application will get, where Spark says it (else None).
-
-    Lets the start-up wait end as soon as they have all registered, so that too few slots on a
-    fixed-size cluster still fail within seconds.
-    """
-    if executor_instances is not None and executor_instances.strip().isdigit():
-        return int(executor_instances)
-    local_cluster = _LOCAL_CLUSTER_MASTER.fullmatch(master.strip())
-    return int(local_cluster.group(1)) if local_cluster else None
 
 
 def check_slots(required_tasks: int, available_slots: int, *, waited: bool) -> None:
@@ -268,4 +246,252 @@ def check_slots(required_tasks: int, available_slots: int, *, waited: bool) -> N
         "num_processes",
         f"the run needs {required_tasks} barrier task slots at once but the cluster has "
         f"{available_slots} now; {advice}",
+    )
+
+
+# -- the run plan ----------------------------------------------------------------------------
+# Values only the acting layer knows; a plan carries them as placeholders that a node fills in
+# (``NodePlan.bind``), and a dry run shows them as they are.
+PAYLOAD_PATH = "<payload_path>"  # where the launcher writes the rank's payload
+NODE_HOST = "<node_host>"  # the barrier task's host, from Spark's task infos
+RDZV_ENDPOINT = "<rdzv_endpoint>"  # task 0's rendezvous store, learnt during the run
+TASK_GPUS = "<task_gpus>"  # the barrier task's GPU addresses, from Spark's task resources
+UNKNOWN = "<unknown>"  # a fact a dry run did not gather (no I/O)
+REDACTED = "<redacted>"
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the acting layer found out before planning; a dry run leaves the I/O ones unknown.
+
+    Attributes:
+        run_id: the run's id (also the rendezvous id and the process-table marker).
+        python: the interpreter the agents run (``sys.executable``; the same on executors).
+        channel_address: the driver's channel listener, ``host:port``.
+        driver_host: this machine's host name, for local mode's rank prefixes.
+        cpu_count: the driver's cores (local mode's OMP_NUM_THREADS).
+        local_gpus: the driver GPUs a local-mode run takes (None: CPU run or unknown).
+        task_cpus: ``spark.task.cpus`` (barrier mode).
+        task_gpu_amount: ``spark.task.resource.gpu.amount`` (barrier mode with GPUs).
+    """
+
+    run_id: str
+    python: str
+    channel_address: str = UNKNOWN
+    driver_host: str = UNKNOWN
+    cpu_count: int | None = None
+    local_gpus: tuple[str, ...] | None = None
+    task_cpus: int = 1
+    task_gpu_amount: float | None = None
+
+
+@dataclass(frozen=True)
+class AgentPlan:
+    """How one node's torchrun agent is started, every placeholder filled: argv and env."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One torchrun agent: the driver in local mode, one barrier task otherwise.
+
+    Attributes:
+        node: the node's index (the barrier partition).
+        ranks: the global ranks it starts.
+        argv: the agent's command line (may hold ``NODE_HOST`` / ``RDZV_ENDPOINT``).
+        user_env: the user's ``env``.
+        host: the node's host name, or ``NODE_HOST``.
+        cuda_visible_devices: the GPUs its ranks see, ``TASK_GPUS``, ``UNKNOWN``, or None
+            (a CPU run: left as the node has it).
+        omp_threads: OMP_NUM_THREADS for its ranks, unless the node or the user sets it.
+    """
+
+    node: int
+    ranks: tuple[int, ...]
+    argv: tuple[str, ...]
+    user_env: Mapping[str, str]
+    host: str
+    cuda_visible_devices: str | None
+    omp_threads: int | None
+
+    def env(
+        self, base_env: Mapping[str, str], *, run_id: str, channel: str, token: str, payload: str
+    ) -> dict[str, str]:
+        """The agent's environment over ``base_env`` (placeholders not yet filled)."""
+        return agent_env(
+            base_env,
+            self.user_env,
+            run_id=run_id,
+            channel=channel,
+            token=token,
+            payload_path=payload,
+            host=self.host,
+            omp_threads=self.omp_threads,
+            cuda_visible_devices=self.cuda_visible_devices,
+        )
+
+    def bind(
+        self,
+        base_env: Mapping[str, str],
+        *,
+        run_id: str,
+        channel: str,
+        token: str,
+        payload_path: str,
+        launcher_pid: int,
+        host: str | None = None,
+        rdzv_endpoint: str | None = None,
+        gpus: Sequence[str] | None = None,
+    ) -> AgentPlan:
+        """Fill in what the node learnt (pure): the agent's exact argv and environment.
+
+        Raises:
+            ValueError: a placeholder is left without its value.
+        """
+        values = {PAYLOAD_PATH: payload_path}
+        if host is not None:
+            values[NODE_HOST] = host
+        if rdzv_endpoint is not None:
+            values[RDZV_ENDPOINT] = rdzv_endpoint
+        if gpus is not None:
+            values[TASK_GPUS] = ",".join(gpus)
+
+        def fill(text: str) -> str:
+            for placeholder, value in values.items():
+                text = text.replace(placeholder, value)
+            if any(p in text for p in (NODE_HOST, RDZV_ENDPOINT, TASK_GPUS, UNKNOWN)):
+                raise ValueError(f"unfilled placeholder in {text!r}")
+            return text
+
+        env = self.env(base_env, run_id=run_id, channel=channel, token=token, payload=PAYLOAD_PATH)
+        ours = set(env) - set(base_env) | set(self.user_env) | {"CUDA_VISIBLE_DEVICES"}
+        filled = {k: fill(v) if k in ours else v for k, v in env.items()}
+        filled[LAUNCHER_PID_ENV] = str(launcher_pid)
+        return AgentPlan(tuple(fill(a) for a in self.argv), filled)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything a launch will do, decided before anything starts.
+
+    Attributes:
+        run_id: the run's id.
+        mode: ``"local"`` or ``"barrier"``.
+        num_processes: total ranks.
+        layout: nodes (agents) and ranks per node.
+        channel_address: the driver's listener (or ``UNKNOWN`` in a dry run).
+        payload: what every rank runs, in words.
+        nodes: one plan per node.
+    """
+
+    run_id: str
+    mode: str
+    num_processes: int
+    layout: BarrierLayout
+    channel_address: str
+    payload: str
+    nodes: tuple[NodePlan, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe view, the run's secret redacted (what ``--dry-run`` prints)."""
+        nodes = []
+        for node in self.nodes:
+            env = node.env(
+                {},
+                run_id=self.run_id,
+                channel=self.channel_address,
+                token=REDACTED,
+                payload=PAYLOAD_PATH,
+            )
+            nodes.append(
+                {
+                    "node": node.node,
+                    "ranks": list(node.ranks),
+                    "host": node.host,
+                    "gpus": node.cuda_visible_devices,
+                    "argv": list(node.argv),
+                    "env": dict(sorted(env.items())),
+                }
+            )
+        return {
+            "run_id": self.run_id,
+            "mode": self.mode,
+            "num_processes": self.num_processes,
+            "nodes_count": self.layout.num_tasks,
+            "ranks_per_node": self.layout.ranks_per_task,
+            "channel_address": self.channel_address,
+            "payload": self.payload,
+            "placeholders": {
+                PAYLOAD_PATH: "written by the launcher where the node runs",
+                NODE_HOST: "the barrier task's host (Spark's task infos)",
+                RDZV_ENDPOINT: "task 0's rendezvous store, learnt during the run",
+                TASK_GPUS: "the barrier task's GPU addresses (Spark's task resources)",
+                UNKNOWN: "a fact that a dry run does not gather",
+            },
+            "nodes": nodes,
+        }
+
+
+def plan_run(spec: Any, payload: str, facts: RunFacts) -> RunPlan:
+    """The run plan of a job's options and the facts gathered for it (pure).
+
+    Args:
+        spec: the job's :class:`~sparktorch_ops.spec.LaunchSpec`.
+        payload: what the ranks run, in words.
+        facts: what the acting layer found out (or a dry run's unknowns).
+
+    Raises:
+        ResourceError, ConfigError: a layout the facts cannot hold (GPUs per task).
+    """
+    n = spec.num_processes
+    if spec.local_mode:
+        # One agent with every rank; its store binds a free loopback port itself.
+        layout = BarrierLayout(num_tasks=1, ranks_per_task=n)
+        endpoint, local_addr, is_host = "127.0.0.1:0", "127.0.0.1", None
+        hosts = facts.driver_host
+        omp: int | None = local_omp_threads(facts.cpu_count, n) if facts.cpu_count else None
+        gpus: str | None = None
+        if spec.use_gpu:
+            gpus = ",".join(facts.local_gpus) if facts.local_gpus is not None else UNKNOWN
+    else:
+        # One agent per barrier task; task 0's process hosts the store, found at run time.
+        layout = barrier_layout(n, spec.use_gpu, facts.task_gpu_amount)
+        endpoint, local_addr, is_host = RDZV_ENDPOINT, NODE_HOST, False
+        hosts, omp = NODE_HOST, barrier_omp_threads(facts.task_cpus, layout.ranks_per_task)
+        gpus = TASK_GPUS if spec.use_gpu else None
+    per = layout.ranks_per_task
+    argv = agent_argv(
+        python=facts.python,
+        run_id=facts.run_id,
+        nnodes=layout.num_tasks,
+        nproc_per_node=per,
+        rdzv_endpoint=endpoint,
+        local_addr=local_addr,
+        max_restarts=spec.max_restarts,
+        is_rdzv_host=is_host,
+        join_timeout=spec.start_timeout,
+        extra_args=spec.torchrun_args,
+    )
+    nodes = tuple(
+        NodePlan(
+            node=i,
+            ranks=tuple(range(i * per, (i + 1) * per)),
+            argv=argv,
+            user_env=dict(spec.env),
+            host=hosts,
+            cuda_visible_devices=gpus,
+            omp_threads=omp,
+        )
+        for i in range(layout.num_tasks)
+    )
+    return RunPlan(
+        run_id=facts.run_id,
+        mode=spec.mode,
+        num_processes=n,
+        layout=layout,
+        channel_address=facts.channel_address,
+        payload=payload,
+        nodes=nodes,
     )

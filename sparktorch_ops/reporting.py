@@ -10,6 +10,7 @@ import warnings
 from typing import Any
 
 from sparktorch_ops import channel
+from sparktorch_ops.messages import MetricReport
 
 _lock = threading.Lock()
 _client: channel.ChannelClient | None = None
@@ -32,6 +33,8 @@ def _scalar(key: str, value: Any) -> Any:
             value = value.item()
         except (ValueError, RuntimeError) as exc:
             raise TypeError(f"report({key}=...): only scalars can be reported: {exc}") from None
+        if isinstance(value, bool):  # a numpy / torch bool: a bool, as a Python one would be
+            return value
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real):
@@ -73,7 +76,6 @@ def report(step: int | None = None, progress: float | None = None, **values: Any
             stacklevel=2,
         )
         return
-    client.send_json(
-        channel.METRIC,
-        {"step": int(step), "progress": progress, "values": clean, "time": time.time()},
+    client.send_message(
+        MetricReport(step=int(step), time=time.time(), values=clean, progress=progress)
     )

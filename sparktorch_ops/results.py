@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import signal
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +71,12 @@ class MetricRecord:
     values: dict[str, Any]
     progress: float | None = None
 
+    def describe(self) -> str:
+        """One log line: ``step 2 progress 100% loss=0.333``."""
+        values = " ".join(f"{k}={v}" for k, v in self.values.items())
+        progress = f" progress {100 * self.progress:.0f}%" if self.progress is not None else ""
+        return f"step {self.step}{progress} {values}"
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict of the record."""
         return {
@@ -126,8 +134,47 @@ class RunResult:
 
     def final_metrics(self, rank: int = 0) -> dict[str, Any]:
         """The latest value of every metric key reported by ``rank``."""
-        merged: dict[str, Any] = {}
-        for record in self.metrics:
-            if record.rank == rank:
-                merged.update(record.values)
-        return merged
+        return latest_values(self.metrics, rank)
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-safe summary of the run (no value): what the wrappers publish.
+
+        Keys: ``metrics`` (rank 0's latest values), ``progress``, ``duration_s``,
+        ``num_processes``, ``mode``, ``app_id``, ``ui_url``, ``run_id``, ``exit_codes`` (by
+        rank, as strings), ``started_at``, ``finished_at`` (ISO 8601), and
+        ``output_truncated`` when a script's output was cut.
+        """
+        summary: dict[str, Any] = {
+            "metrics": {k: json_scalar(v) for k, v in self.final_metrics(0).items()},
+            "progress": self.progress,
+            "duration_s": round(self.duration.total_seconds(), 3),
+            "num_processes": self.num_processes,
+            "mode": self.mode,
+            "app_id": self.app_id,
+            "ui_url": self.ui_url,
+            "run_id": self.run_id,
+            "exit_codes": {str(rank): code for rank, code in sorted(self.exit_codes.items())},
+            "started_at": self.started_at.isoformat(),
+            "finished_at": self.finished_at.isoformat(),
+        }
+        if self.output_truncated:
+            summary["output_truncated"] = True
+        return summary
+
+
+def latest_values(records: Iterable[MetricRecord], rank: int = 0) -> dict[str, Any]:
+    """The latest value of every metric key that ``rank`` reported in ``records``."""
+    merged: dict[str, Any] = {}
+    for record in records:
+        if record.rank == rank:
+            merged.update(record.values)
+    return merged
+
+
+def json_scalar(value: Any) -> Any:
+    """A metric value as JSON: non-finite floats become strings (``"nan"``), others as they are."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

@@ -1,17 +1,22 @@
-"""Spark: the session, preflight checks before a barrier launch, job tags, UI URL.
+"""Spark: the one session factory, master URLs, preflight checks, job tags, UI URL.
 
-pyspark is imported only here, and only when a session is used.
+pyspark is imported only here, and only when a session is used. Everything that builds, reuses
+or stops a SparkSession for sparktorch_ops (the distributor, the Airflow operator, the Prefect
+block, the CLI) goes through :func:`get_session` and :func:`stop_session`.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sparktorch_ops.errors import ConfigError, StartTimeoutError
-from sparktorch_ops.planning import check_slots, expected_executors, registration_grace
+from sparktorch_ops.planning import check_slots, registration_grace
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
@@ -20,6 +25,180 @@ if TYPE_CHECKING:
 _PYTHON_SETTING = "PYSPARK_PYTHON (or spark.pyspark.python)"
 # Executors that passed the probe, by (application id, executor ids): a new executor is probed.
 _PROBED: dict[tuple[str, str], list[dict[str, Any]]] = {}
+
+#: The conf key read for a History Server link (besides YARN's own setting).
+HISTORY_SERVER_CONF = "spark.sparktorch.historyServer.url"
+DEFAULT_APP_NAME = "sparktorch-ops"
+
+MASTER_FORMS = (
+    "local, local[N], local[*], local[N,F], local-cluster[N,C,M], spark://HOST:PORT, yarn, "
+    "k8s://HOST:PORT, mesos://HOST:PORT"
+)
+_MASTER_PATTERNS = (
+    ("local", re.compile(r"local(?:\[(?:\*|[1-9]\d*)(?:,\s*[1-9]\d*)?\])?")),
+    (
+        "local-cluster",
+        re.compile(r"local-cluster\[\s*([1-9]\d*)\s*,\s*[1-9]\d*\s*,\s*[1-9]\d*\s*\]"),
+    ),
+    ("standalone", re.compile(r"spark://[^\s/:,]+(?::\d+)?(?:,[^\s/:,]+(?::\d+)?)*/?")),
+    ("yarn", re.compile(r"yarn")),
+    ("k8s", re.compile(r"k8s://(?:https?://)?[^\s/]+(?:/\S*)?")),
+    ("mesos", re.compile(r"mesos://[^\s/]+(?:/\S*)?")),
+)
+# Static SQL settings: fixed when the first session starts, like every non-SQL setting (the
+# master, the app name, driver/executor/scheduler settings). Other spark.sql.* settings are
+# runtime settings that a running session still takes.
+_STATIC_SQL_CONF = frozenset(
+    {
+        "spark.sql.warehouse.dir",
+        "spark.sql.catalogImplementation",
+        "spark.sql.extensions",
+        "spark.sql.hive.metastore.version",
+        "spark.sql.hive.metastore.jars",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Master:
+    """A parsed Spark master URL.
+
+    Attributes:
+        url: the URL as given (stripped).
+        kind: ``local``, ``local-cluster``, ``standalone``, ``yarn``, ``k8s`` or ``mesos``.
+        executors: how many executors the master itself fixes (``local-cluster[N,..]``).
+    """
+
+    url: str
+    kind: str
+    executors: int | None = None
+
+    @property
+    def in_process(self) -> bool:
+        """Whether everything runs in the driver's JVM (``local``, ``local[4]``...)."""
+        return self.kind == "local"
+
+
+def parse_master(master: object, argument: str = "master") -> Master:
+    """Parse a Spark master URL (no connection is made).
+
+    Raises:
+        ConfigError: naming ``argument``: not a string, or not a form Spark accepts.
+    """
+    if not isinstance(master, str):
+        raise ConfigError(argument, f"must be a Spark master URL (str), got {master!r}")
+    url = master.strip()
+    for kind, pattern in _MASTER_PATTERNS:
+        match = pattern.fullmatch(url)
+        if match:
+            executors = int(match.group(1)) if kind == "local-cluster" else None
+            return Master(url, kind, executors)
+    raise ConfigError(
+        argument, f"{master!r} is not a Spark master URL; expected one of: {MASTER_FORMS}"
+    )
+
+
+def validate_master(master: object, argument: str = "master") -> str:
+    """A master URL, checked and stripped (see :func:`parse_master`)."""
+    return parse_master(master, argument).url
+
+
+def validate_conf(conf: object, argument: str = "spark_conf") -> dict[str, str]:
+    """Check Spark conf: str keys; str, number or bool values (made strings as Spark wants).
+
+    Raises:
+        ConfigError: not a mapping, an empty or non-str key, or a value of another type.
+    """
+    if conf is None:
+        return {}
+    if not isinstance(conf, Mapping):
+        raise ConfigError(argument, f"must be a mapping of Spark settings, got {conf!r}")
+    checked: dict[str, str] = {}
+    for key, value in conf.items():
+        if not isinstance(key, str) or not key.strip():
+            raise ConfigError(argument, f"keys must be non-empty strings, got {key!r}")
+        if isinstance(value, bool):
+            checked[key] = "true" if value else "false"
+        elif isinstance(value, (str, int, float)):
+            checked[key] = str(value)
+        else:
+            raise ConfigError(
+                argument, f"the value of {key!r} must be a str, number or bool, got {value!r}"
+            )
+    return checked
+
+
+def is_static_conf(key: str) -> bool:
+    """Whether a setting is fixed once the SparkContext runs (cannot change on reuse)."""
+    return not key.startswith("spark.sql.") or key in _STATIC_SQL_CONF
+
+
+@dataclass(frozen=True)
+class SparkSettings:
+    """Where a run's Spark session comes from: a session, or a master URL and conf.
+
+    ``spark.master`` may be given in ``conf`` instead of ``master``; both at once must agree.
+
+    Attributes:
+        master: the master URL; None leaves it to the environment (``spark-defaults.conf``,
+            ``pyspark --master``), as ``SparkSession.builder`` does.
+        conf: Spark settings for a session started here (also checked against a reused one).
+        app_name: the application name of a session started here.
+        session: an existing session to use as it is.
+        stop_created_session: stop (after the run) a session that was started for it.
+    """
+
+    master: str | None = None
+    conf: Mapping[str, str] = field(default_factory=dict)
+    app_name: str = DEFAULT_APP_NAME
+    session: Any = None
+    stop_created_session: bool = True
+
+    def __post_init__(self) -> None:
+        conf = validate_conf(self.conf, "spark_conf")
+        master = self.master
+        conf_master = conf.pop("spark.master", None)
+        if master is not None:
+            master = parse_master(master, "spark_master").url
+        if conf_master is not None:
+            conf_master = parse_master(conf_master, "spark_conf").url
+            if master is not None and conf_master != master:
+                raise ConfigError(
+                    "spark_conf",
+                    f"spark.master={conf_master!r} contradicts the master {master!r} (from the "
+                    "connection, block or spark_master argument); give the master in one place",
+                )
+            master = conf_master
+        if not isinstance(self.app_name, str) or not self.app_name.strip():
+            raise ConfigError("app_name", f"must be a non-empty str, got {self.app_name!r}")
+        if self.session is not None:
+            refuse_connect(self.session)
+        object.__setattr__(self, "master", master)
+        object.__setattr__(self, "conf", conf)
+
+    @property
+    def configured(self) -> bool:
+        """Whether a master or conf was asked for (settings a local-mode run does not use)."""
+        return self.master is not None or bool(self.conf)
+
+
+@dataclass
+class SessionHandle:
+    """A session in use by a run, and whether it was started for the run.
+
+    Attributes:
+        session: the SparkSession.
+        created: True when :func:`get_session` started it.
+        jvm_started: True when starting it also started this process's JVM.
+        keys: the settings it was started with (Java system properties to clear on stop).
+        stop_when_done: stop it after the run.
+    """
+
+    session: Any
+    created: bool
+    jvm_started: bool = False
+    keys: tuple[str, ...] = ()
+    stop_when_done: bool = False
 
 
 def is_connect_session(spark: Any) -> bool:
@@ -49,17 +228,111 @@ def active_session() -> SparkSession | None:
     return SparkSession.getActiveSession() or SparkSession._instantiatedSession
 
 
-def session_for_barrier(spark: Any) -> SparkSession:
-    """The given session, else the active one, else a new one from the environment's config."""
-    if spark is not None:
-        refuse_connect(spark)
-        return spark
-    session = active_session()
-    if session is not None:
-        return session
+def get_session(settings: SparkSettings, log: Any = None) -> SessionHandle:
+    """The session a run uses: the given one, the active one, else a new one from settings.
+
+    A process has one SparkContext: when one is running it is reused, settings that cannot
+    apply to it are named in a warning, and runtime SQL settings are applied to it. A session
+    started here has Spark's console progress bar off (it would go to raw stderr, not the
+    task log) and, on an in-process master, the driver on loopback.
+
+    Raises:
+        ConfigError: the session could not start.
+    """
+    log = log or logging.getLogger("sparktorch_ops")
+    if settings.session is not None:
+        return SessionHandle(settings.session, created=False)
+    active = active_session()
+    if active is not None:
+        _reuse(active, settings, log)
+        return SessionHandle(active, created=False)
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
-    return SparkSession.builder.getOrCreate()
+    jvm_started = SparkContext._gateway is None
+    conf = {"spark.ui.showConsoleProgress": "false", **settings.conf}
+    if settings.master is not None and parse_master(settings.master).in_process:
+        conf.setdefault("spark.driver.host", "127.0.0.1")
+    builder = SparkSession.builder.appName(settings.app_name)
+    if settings.master is not None:
+        builder = builder.master(settings.master)
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    log.info(
+        "sparktorch_ops: starting a SparkSession (master %s)",
+        settings.master or "from the environment",
+    )
+    try:
+        session = builder.getOrCreate()
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ConfigError(
+            "spark_master",
+            f"could not start a Spark session (master {settings.master!r}): "
+            f"{type(exc).__name__}: {first}",
+        ) from exc
+    sc = session.sparkContext
+    log.info(
+        "sparktorch_ops: started Spark application %s (master %s)", sc.applicationId, sc.master
+    )
+    return SessionHandle(
+        session,
+        created=True,
+        jvm_started=jvm_started,
+        keys=("spark.master", "spark.app.name", *conf),
+        stop_when_done=settings.stop_created_session,
+    )
+
+
+def _reuse(session: Any, settings: SparkSettings, log: Any) -> None:
+    sc = session.sparkContext
+    log.info(
+        "sparktorch_ops: reusing the SparkContext already running in this process "
+        "(master %s, app %s)",
+        sc.master,
+        sc.applicationId,
+    )
+    if settings.master is not None and settings.master != sc.master:
+        log.warning(
+            "sparktorch_ops: master %r is not used: a process has one SparkContext, and the "
+            "running one uses %r",
+            settings.master,
+            sc.master,
+        )
+    ignored = []
+    for key, value in settings.conf.items():
+        if conf_value(sc, key) == value:
+            continue
+        if is_static_conf(key):
+            ignored.append(key)
+        else:
+            session.conf.set(key, value)
+    if ignored:
+        log.warning(
+            "sparktorch_ops: Spark settings that cannot apply to the running SparkContext "
+            "(fixed when it started): %s",
+            ", ".join(sorted(ignored)),
+        )
+
+
+def stop_session(handle: SessionHandle) -> None:
+    """Stop a session that :func:`get_session` started for a run; leave any other alone.
+
+    pyspark starts its JVM with the first session's settings as Java system properties, which
+    every later SparkContext of the process would inherit (``airflow dags test`` runs every
+    task in one process): a session that started the JVM takes its settings away with it.
+    """
+    if not (handle.created and handle.stop_when_done):
+        return
+    sc = handle.session.sparkContext
+    jvm = sc._jvm
+    handle.session.stop()
+    if handle.jvm_started and jvm is not None:
+        for key in handle.keys:
+            try:
+                jvm.java.lang.System.clearProperty(key)
+            except Exception:  # the JVM may be going away too
+                pass
 
 
 def conf_value(sc: SparkContext, key: str) -> str | None:
@@ -135,7 +408,25 @@ def _registration_grace_s(sc: SparkContext) -> float:
     jconf = sc._jsc.sc().conf()
     waiting_ms = int(jconf.getTimeAsMs("spark.scheduler.maxRegisteredResourcesWaitingTime", "30s"))
     app_age_s = max(0.0, time.time() - sc.startTime / 1000)
-    return registration_grace(sc.master or "", app_age_s, waiting_ms / 1000)
+    try:
+        in_process = parse_master(sc.master or "").in_process
+    except ConfigError:
+        in_process = False
+    return registration_grace(in_process, app_age_s, waiting_ms / 1000)
+
+
+def expected_executors(master: str, executor_instances: str | None) -> int | None:
+    """How many executors the application will get, where Spark says it (else None).
+
+    Lets the start-up wait end as soon as they have all registered, so that too few slots on a
+    fixed-size cluster still fail within seconds.
+    """
+    if executor_instances is not None and executor_instances.strip().isdigit():
+        return int(executor_instances)
+    try:
+        return parse_master(master).executors
+    except ConfigError:
+        return None
 
 
 def _executor_count(sc: SparkContext) -> int:
@@ -242,7 +533,7 @@ def probe_executors(sc: SparkContext, num_tasks: int) -> list[dict[str, Any]]:
 def ui_url(sc: SparkContext) -> str | None:
     """The History Server page of this application when one is configured, else the live UI."""
     history = conf_value(sc, "spark.yarn.historyServer.address") or conf_value(
-        sc, "spark.sparktorch.historyServer.url"
+        sc, HISTORY_SERVER_CONF
     )
     if history:
         base = history if "://" in history else f"http://{history}"

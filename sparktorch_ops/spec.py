@@ -168,6 +168,7 @@ class LaunchSpec:
         log_ranks: ranks whose output is forwarded to the logger (None: all).
         logger: where rank output goes: anything with ``log(level, msg, *args)``.
         on_metrics: called with each :class:`MetricRecord` as it arrives.
+        on_event: called with each :class:`~sparktorch_ops.events.PhaseEvent` of the run.
         allow_unencrypted_channel: run even though Spark's encryption is on (like pyspark's
             ``ignoreSsl``); the channel itself is authenticated by a token but not encrypted.
     """
@@ -183,6 +184,7 @@ class LaunchSpec:
     log_ranks: frozenset[int] | None = None
     logger: Any = None
     on_metrics: Callable[[Any], None] | None = None
+    on_event: Callable[[Any], None] | None = None
     allow_unencrypted_channel: bool = False
 
     def __post_init__(self) -> None:
@@ -196,8 +198,10 @@ class LaunchSpec:
         object.__setattr__(self, "start_timeout", to_seconds("start_timeout", self.start_timeout))
         object.__setattr__(self, "timeout", to_seconds("timeout", self.timeout))
         object.__setattr__(self, "log_ranks", _check_log_ranks(self.log_ranks))
-        if self.on_metrics is not None and not callable(self.on_metrics):
-            raise ConfigError("on_metrics", f"must be callable, got {self.on_metrics!r}")
+        for name in ("on_metrics", "on_event"):
+            hook = getattr(self, name)
+            if hook is not None and not callable(hook):
+                raise ConfigError(name, f"must be callable, got {hook!r}")
         if self.logger is not None and not callable(getattr(self.logger, "log", None)):
             raise ConfigError(
                 "logger",

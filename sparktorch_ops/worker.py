@@ -22,6 +22,7 @@ from typing import Any
 import cloudpickle
 
 from sparktorch_ops import channel, reporting
+from sparktorch_ops.messages import FailureReport, Hello
 from sparktorch_ops.payload import read_rank_payload
 from sparktorch_ops.planning import (
     CHANNEL_ENV,
@@ -34,14 +35,14 @@ from sparktorch_ops.planning import (
 from sparktorch_ops.process import exit_status, finish_like_an_interpreter, set_process_name
 
 
-def _hello() -> dict[str, Any]:
-    return {
-        "role": "worker",
-        "rank": int(os.environ["RANK"]),
-        "host": os.environ.get(NODE_HOST_ENV, ""),
-        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-        "pid": os.getpid(),
-    }
+def _hello() -> Hello:
+    return Hello(
+        role="worker",
+        rank=int(os.environ["RANK"]),
+        host=os.environ.get(NODE_HOST_ENV, ""),
+        attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        pid=os.getpid(),
+    )
 
 
 def _record_torchelastic_error(exc: BaseException) -> None:
@@ -83,7 +84,8 @@ def main() -> int:
     client = channel.ChannelClient.connect(os.environ[CHANNEL_ENV], os.environ[TOKEN_ENV], hello)
     reporting.install(client)
     try:
-        code = run_payload(read_rank_payload(os.environ[PAYLOAD_ENV]), client, hello["rank"])
+        assert hello.rank is not None
+        code = run_payload(read_rank_payload(os.environ[PAYLOAD_ENV]), client, hello.rank)
     except BaseException as exc:
         text = traceback.format_exc()
         sys.stdout.flush()
@@ -91,14 +93,13 @@ def main() -> int:
         sys.stderr.flush()
         _record_torchelastic_error(exc)
         try:
-            client.send_json(
-                channel.FAILURE,
-                {
-                    "type": type(exc).__name__,
-                    "message": str(exc)[:2000],
-                    "traceback": text[-20000:],
-                    "time": time.time(),
-                },
+            client.send_message(
+                FailureReport(
+                    type=type(exc).__name__,
+                    message=str(exc)[:2000],
+                    traceback=text[-20000:],
+                    time=time.time(),
+                )
             )
         except channel.ChannelError:
             pass

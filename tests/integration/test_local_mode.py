@@ -173,7 +173,7 @@ def test_bad_train_objects_fail_before_launch(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot be pickled") as info:
         distributor.run(lambda: lock)
     assert info.value.argument == "train_object"
-    with pytest.raises(ConfigError, match="callable or a path") as info:
+    with pytest.raises(ConfigError, match="callable or the path of a Python script") as info:
         distributor.run(42)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="command-line arguments only") as info:
         (tmp_path / "s.py").write_text("")

@@ -10,13 +10,14 @@ import time
 
 import pytest
 
-from sparktorch_ops import channel
+from sparktorch_ops import channel, messages
 from sparktorch_ops.errors import ChannelError
+from sparktorch_ops.messages import Hello
 
 
 class Recorder(channel.ChannelHandler):
     def __init__(self) -> None:
-        self.hellos: list[dict] = []
+        self.hellos: list[Hello] = []
         self.frames: list[tuple[int, bytes]] = []
         self.closed = 0
         self.lock = threading.Lock()
@@ -49,22 +50,22 @@ def _wait(condition, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-
 
 def test_authenticated_client_frames_arrive_in_order(server) -> None:  # type: ignore[no-untyped-def]
     srv, recorder = server
-    client = channel.ChannelClient.connect(srv.address, "s3cret", {"role": "worker", "rank": 3})
+    client = channel.ChannelClient.connect(srv.address, "s3cret", Hello(role="worker", rank=3))
     for i in range(1000):
-        client.send(channel.STDOUT, f"line {i}".encode())
+        client.send(messages.STDOUT, f"line {i}".encode())
     client.close()
     _wait(lambda: recorder.closed == 1)
-    assert recorder.hellos == [{"role": "worker", "rank": 3}]
+    assert recorder.hellos == [Hello(role="worker", rank=3)]
     assert [p.decode() for _, p in recorder.frames] == [f"line {i}" for i in range(1000)]
 
 
 def test_wrong_token_is_dropped_and_cannot_inject(server, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
     srv, recorder = server
     caplog.set_level(logging.WARNING, logger="test.channel")
-    intruder = channel.ChannelClient.connect(srv.address, "wrong", {"role": "worker", "rank": 0})
+    intruder = channel.ChannelClient.connect(srv.address, "wrong", Hello(role="worker", rank=0))
     try:
         for _ in range(50):
-            intruder.send(channel.STDOUT, b"injected")
+            intruder.send(messages.STDOUT, b"injected")
             time.sleep(0.01)
     except ChannelError:
         pass  # the server closed the connection: exactly what should happen
@@ -77,7 +78,7 @@ def test_garbage_before_hello_is_dropped(server, caplog: pytest.LogCaptureFixtur
     caplog.set_level(logging.WARNING, logger="test.channel")
     host, port = channel.split_address(srv.address)
     with socket.create_connection((host, port)) as sock:
-        sock.sendall(channel.encode_frame(channel.STDOUT, b"no hello"))
+        sock.sendall(channel.encode_frame(messages.STDOUT, b"no hello"))
         _wait(lambda: "valid HELLO" in caplog.text)
         assert sock.recv(10) == b""  # closed by the server
     assert recorder.frames == []
@@ -86,18 +87,18 @@ def test_garbage_before_hello_is_dropped(server, caplog: pytest.LogCaptureFixtur
 def test_large_result_arrives_whole(server) -> None:  # type: ignore[no-untyped-def]
     srv, recorder = server
     data = bytes(range(256)) * (40 * 4096)  # 40 MiB, several chunks
-    client = channel.ChannelClient.connect(srv.address, "s3cret", {"role": "worker", "rank": 0})
+    client = channel.ChannelClient.connect(srv.address, "s3cret", Hello(role="worker", rank=0))
     client.send_result(data)
     client.close()
     _wait(lambda: recorder.closed == 1, timeout=60)
-    chunks = b"".join(p for k, p in recorder.frames if k == channel.RESULT_CHUNK)
-    end = [json.loads(p) for k, p in recorder.frames if k == channel.RESULT_END]
+    chunks = b"".join(p for k, p in recorder.frames if k == messages.RESULT_CHUNK)
+    end = [json.loads(p) for k, p in recorder.frames if k == messages.RESULT_END]
     assert chunks == data and end == [{"size": len(data)}]
 
 
 def test_closing_the_server_ends_clients_wait(server) -> None:  # type: ignore[no-untyped-def]
     srv, _ = server
-    client = channel.ChannelClient.connect(srv.address, "s3cret", {"role": "node"})
+    client = channel.ChannelClient.connect(srv.address, "s3cret", Hello(role="node", node=0))
     waiter = threading.Thread(target=client.wait_closed)
     waiter.start()
     time.sleep(0.2)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import logging
 
-from sparktorch_ops import channel
+from sparktorch_ops import channel, messages
 from sparktorch_ops.collector import SCRIPT_OUTPUT_CAP, ResultBytes, RunCollector
+from sparktorch_ops.messages import Hello
 
 
 def peer(conn_id: int, rank: int, role: str = "supervisor", attempt: int = 0) -> channel.Peer:
-    hello = {"role": role, "rank": rank, "host": f"h{rank}", "attempt": attempt}
+    hello = Hello(role=role, rank=rank, host=f"h{rank}", attempt=attempt)
     return channel.Peer(conn_id=conn_id, hello=hello, address="127.0.0.1:1")
 
 
@@ -32,8 +33,8 @@ def test_first_failure_is_the_root_cause_and_fatal_without_restarts() -> None:
     c = collector()
     for rank in (0, 1):
         c.on_hello(peer(rank, rank))
-    c.on_frame(peer(1, 1), channel.EXIT, exit_frame(3))
-    c.on_frame(peer(0, 0), channel.EXIT, exit_frame(None, "SIGTERM"))
+    c.on_frame(peer(1, 1), messages.EXIT, exit_frame(3))
+    c.on_frame(peer(0, 0), messages.EXIT, exit_frame(None, "SIGTERM"))
     assert c.fatal
     failures = c.failures()
     assert [(f.rank, f.exit_code, f.signal) for f in failures] == [
@@ -45,11 +46,11 @@ def test_first_failure_is_the_root_cause_and_fatal_without_restarts() -> None:
 def test_failures_before_the_last_restart_are_not_fatal() -> None:
     c = collector(max_restarts=1)
     c.on_hello(peer(1, 1))
-    c.on_frame(peer(1, 1), channel.EXIT, exit_frame(1))
+    c.on_frame(peer(1, 1), messages.EXIT, exit_frame(1))
     assert c.failure_order == [1] and not c.fatal
     c.on_hello(peer(2, 1, attempt=1))  # torchrun restarted the group
     assert c.failure_order == [] and not c.fatal
-    c.on_frame(peer(2, 1, attempt=1), channel.EXIT, exit_frame(1))
+    c.on_frame(peer(2, 1, attempt=1), messages.EXIT, exit_frame(1))
     assert c.fatal
 
 
@@ -63,11 +64,11 @@ def test_a_vanished_rank_is_a_failure() -> None:
 def test_a_truncated_result_is_not_a_result() -> None:
     c = collector()
     c.on_hello(peer(1, 0, role="worker"))
-    c.on_frame(peer(1, 0, role="worker"), channel.RESULT_CHUNK, b"abc")
-    c.on_frame(peer(1, 0, role="worker"), channel.RESULT_END, b'{"size": 4}')
+    c.on_frame(peer(1, 0, role="worker"), messages.RESULT_CHUNK, b"abc")
+    c.on_frame(peer(1, 0, role="worker"), messages.RESULT_END, b'{"size": 4}')
     assert c.result is None
-    c.on_frame(peer(1, 0, role="worker"), channel.RESULT_CHUNK, b"abcd")
-    c.on_frame(peer(1, 0, role="worker"), channel.RESULT_END, b'{"size": 4}')
+    c.on_frame(peer(1, 0, role="worker"), messages.RESULT_CHUNK, b"abcd")
+    c.on_frame(peer(1, 0, role="worker"), messages.RESULT_END, b'{"size": 4}')
     assert c.result is not None and c.result.reader().read() == b"abcd"
 
 
@@ -89,8 +90,8 @@ def test_script_output_is_capped_to_its_tail_with_a_note() -> None:
     c.on_hello(peer(1, 0))
     line = "y" * 1023
     for _ in range(SCRIPT_OUTPUT_CAP // 1024 + 10):
-        c.on_frame(peer(1, 0), channel.STDOUT, line.encode())
-    c.on_frame(peer(1, 0), channel.STDOUT, b"the last line")
+        c.on_frame(peer(1, 0), messages.STDOUT, line.encode())
+    c.on_frame(peer(1, 0), messages.STDOUT, b"the last line")
     text = c.rank0_stdout()
     assert c.stdout_truncated
     assert text.startswith("[sparktorch_ops: output cut to its last")

@@ -165,22 +165,3 @@ def test_slot_check() -> None:
         planning.check_slots(6, 2, waited=False)
     assert "start_timeout" in str(info.value)
     assert info.value.argument == "num_processes"
-
-
-@pytest.mark.parametrize("master", ["local", "local[2]", "local[*]", "local[2,3]", " local[4] "])
-def test_local_masters_get_no_registration_grace(master: str) -> None:
-    assert planning.registration_grace(master, app_age_s=0.5, waiting_time_s=30) == 0.0
-
-
-def test_cluster_masters_wait_for_executors_only_while_the_app_is_young() -> None:
-    for master in ("spark://127.0.0.1:7077", "local-cluster[2,1,1024]", "yarn", "k8s://x"):
-        assert planning.registration_grace(master, app_age_s=4, waiting_time_s=30) == 26
-        assert planning.registration_grace(master, app_age_s=45, waiting_time_s=30) == 0
-
-
-def test_expected_executors_from_instances_or_local_cluster() -> None:
-    assert planning.expected_executors("local-cluster[2,1,1024]", None) == 2
-    assert planning.expected_executors("yarn", "4") == 4
-    assert planning.expected_executors("spark://127.0.0.1:7077", "3") == 3
-    assert planning.expected_executors("spark://127.0.0.1:7077", None) is None
-    assert planning.expected_executors("k8s://x", "not-a-number") is None

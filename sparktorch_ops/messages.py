@@ -1,0 +1,243 @@
+"""Typed messages between the processes of a run (rank, supervisor, barrier task -> driver).
+
+Each message is a frozen dataclass that knows its frame kind and encodes itself as JSON.
+``decode`` checks every field's type, so a malformed frame is a :class:`MessageError` that the
+driver handles as one bad connection, never an ``int(dict.get(...))`` deep in the collector.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, Literal, TypeVar
+
+# Frame kinds (1 byte on the wire). Log lines and result chunks are raw bytes, not messages.
+HELLO = 1
+STDOUT = 2
+STDERR = 3
+METRIC = 4
+RESULT_CHUNK = 5
+RESULT_END = 6
+EXIT = 7
+FAILURE = 8
+RDZV = 9  # task 0 -> driver: its rendezvous store's port; driver -> every task: the same
+
+Role = Literal["node", "supervisor", "worker"]
+ROLES = ("node", "supervisor", "worker")
+
+
+class MessageError(ValueError):
+    """A frame whose payload is not the message its kind promises."""
+
+
+M = TypeVar("M", bound="Message")
+
+
+def _check(value: Any, expected: Any, name: str, optional: bool = False) -> Any:
+    if value is None and optional:
+        return None
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) and expected is not bool:
+        raise MessageError(f"{name} must be {expected.__name__}, got {value!r}")
+    if not isinstance(value, expected):
+        raise MessageError(f"{name} must be {expected.__name__}, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise MessageError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every typed message."""
+
+    KIND: ClassVar[int] = 0
+    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {}
+
+    def encode(self) -> bytes:
+        """The frame payload: UTF-8 JSON."""
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls: type[M], payload: bytes | bytearray) -> M:
+        """Parse and check a payload.
+
+        Raises:
+            MessageError: not JSON, not an object, a missing or mistyped field.
+        """
+        try:
+            record = json.loads(bytes(payload))
+        except (ValueError, RecursionError) as exc:
+            raise MessageError(f"{cls.__name__}: not JSON ({type(exc).__name__})") from None
+        if not isinstance(record, dict):
+            raise MessageError(f"{cls.__name__}: expected a JSON object")
+        values: dict[str, Any] = {}
+        for item in fields(cls):
+            expected, optional = cls._TYPES[item.name]
+            if item.name not in record:
+                if optional:
+                    values[item.name] = None
+                    continue
+                raise MessageError(f"{cls.__name__}: missing {item.name}")
+            values[item.name] = _check(
+                record[item.name], expected, f"{cls.__name__}.{item.name}", optional
+            )
+        message = cls(**values)
+        message.validate()
+        return message
+
+    def validate(self) -> None:
+        """Checks across fields (subclasses override)."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The first frame of every connection: who is talking (the secret is checked apart)."""
+
+    role: Role
+    rank: int | None = None
+    local_rank: int | None = None
+    group_rank: int | None = None
+    node: int | None = None
+    host: str = ""
+    attempt: int = 0
+    pid: int = 0
+
+    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {
+        "role": (str, False),
+        "rank": (int, True),
+        "local_rank": (int, True),
+        "group_rank": (int, True),
+        "node": (int, True),
+        "host": (str, False),
+        "attempt": (int, False),
+        "pid": (int, False),
+    }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict (what goes into the HELLO frame besides the credentials)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, record: Any) -> Hello:
+        """Check a decoded HELLO.
+
+        Raises:
+            MessageError: a missing or mistyped field, an unknown role, or no rank / node for
+                the role.
+        """
+        if not isinstance(record, dict):
+            raise MessageError("Hello: expected a JSON object")
+        values: dict[str, Any] = {}
+        for name, (expected, optional) in cls._TYPES.items():
+            if name in record:
+                values[name] = _check(record[name], expected, f"Hello.{name}", optional)
+        if "role" not in values:
+            raise MessageError("Hello: missing role")
+        hello = cls(**values)
+        if hello.role not in ROLES:
+            raise MessageError(f"Hello: unknown role {hello.role!r}")
+        if hello.role == "node" and (hello.node is None or hello.node < 0):
+            raise MessageError("Hello: a node must say which node it is")
+        if hello.role != "node" and (hello.rank is None or hello.rank < 0):
+            raise MessageError(f"Hello: a {hello.role} must say its rank")
+        if hello.attempt < 0:
+            raise MessageError("Hello: attempt must be >= 0")
+        return hello
+
+    @property
+    def who(self) -> str:
+        """``"rank 3"`` or ``"node 1"``, for events and logs."""
+        return f"node {self.node}" if self.role == "node" else f"rank {self.rank}"
+
+
+@dataclass(frozen=True)
+class MetricReport(Message):
+    """One ``report()`` call."""
+
+    KIND: ClassVar[int] = METRIC
+    step: int
+    time: float
+    values: dict[str, Any] = field(default_factory=dict)
+    progress: float | None = None
+
+    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {
+        "step": (int, False),
+        "time": (float, False),
+        "values": (dict, False),
+        "progress": (float, True),
+    }
+
+    def validate(self) -> None:
+        """Values are JSON scalars; progress in [0, 1]."""
+        if self.progress is not None and not 0.0 <= self.progress <= 1.0:
+            raise MessageError(f"MetricReport.progress out of [0, 1]: {self.progress}")
+        for key, value in self.values.items():
+            if value is not None and not isinstance(value, (bool, int, float, str)):
+                raise MessageError(f"MetricReport.values[{key!r}] is not a scalar")
+
+
+@dataclass(frozen=True)
+class ExitReport(Message):
+    """How a rank process (or a node's agent) exited."""
+
+    KIND: ClassVar[int] = EXIT
+    exit_code: int | None
+    signal: str | None = None
+    time: float = 0.0
+
+    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {
+        "exit_code": (int, True),
+        "signal": (str, True),
+        "time": (float, False),
+    }
+
+
+@dataclass(frozen=True)
+class FailureReport(Message):
+    """An exception raised by the user's code on a rank."""
+
+    KIND: ClassVar[int] = FAILURE
+    type: str
+    message: str
+    traceback: str = ""
+    time: float = 0.0
+
+    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {
+        "type": (str, False),
+        "message": (str, False),
+        "traceback": (str, False),
+        "time": (float, False),
+    }
+
+
+@dataclass(frozen=True)
+class ResultEnd(Message):
+    """Rank 0's result is complete: its total size, to check against the chunks."""
+
+    KIND: ClassVar[int] = RESULT_END
+    size: int
+
+    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {"size": (int, False)}
+
+
+@dataclass(frozen=True)
+class RendezvousPort(Message):
+    """Task 0's rendezvous store port, or why it could not host one."""
+
+    KIND: ClassVar[int] = RDZV
+    port: int | None = None
+    error: str | None = None
+
+    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {
+        "port": (int, True),
+        "error": (str, True),
+    }
+
+    def validate(self) -> None:
+        """Exactly one of port (1-65535) and error."""
+        if (self.port is None) == (self.error is None):
+            raise MessageError("RendezvousPort: exactly one of port and error")
+        if self.port is not None and not 0 < self.port < 65536:
+            raise MessageError(f"RendezvousPort: bad port {self.port}")

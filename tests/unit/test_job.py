@@ -1,0 +1,108 @@
+"""The job model, its wrapper-side builder, the cancel token and the outcome mapping."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import pytest
+
+from sparktorch_ops.errors import (
+    ConfigError,
+    StartTimeoutError,
+    TrainingCancelledError,
+    TrainingFailedError,
+    TrainingTimeoutError,
+)
+from sparktorch_ops.job import CancelToken, TrainingJob, build_job
+from sparktorch_ops.outcome import outcome_of
+from sparktorch_ops.payload import FunctionCall, Script
+from sparktorch_ops.results import RankFailure
+from sparktorch_ops.spark import SparkSettings
+from sparktorch_ops.spec import LaunchSpec
+
+
+def train(a: int, b: int = 0) -> int:
+    return a + b
+
+
+def test_a_job_is_validated_and_packed_once(tmp_path: Path) -> None:
+    job = TrainingJob(train, [1], {"b": 2}, LaunchSpec(num_processes=2, use_gpu=False))
+    assert isinstance(job.payload, FunctionCall) and job.payload.name == "train"
+    assert job.args == (1,) and job.mode == "local"
+    script = tmp_path / "t.py"
+    script.write_text("print(1)")
+    scripted = TrainingJob(str(script), ("--lr", 1))
+    assert isinstance(scripted.payload, Script) and scripted.payload.argv == ("--lr", "1")
+
+
+def test_wrapper_builder_coerces_rendered_templates_and_names_wrapper_arguments(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("print(1)")
+    job = build_job(
+        train=f"  {script}\n", train_args=["--x=1"], num_processes=" 3 ", max_restarts="1",
+        use_gpu=False, env={"N": 4}, timeout=datetime.timedelta(minutes=1),
+    )  # fmt: skip
+    assert (job.options.num_processes, job.options.max_restarts) == (3, 1)
+    assert dict(job.options.env) == {"N": "4"} and job.options.timeout == 60
+    cases = [
+        ({"train": train, "num_processes": "two"}, "num_processes", "after templating"),
+        ({"train": 42}, "train", "callable or the path"),
+        ({"train": str(tmp_path / "missing.py")}, "train", "the script"),
+        ({"train": str(script), "train_kwargs": {"a": 1}}, "train_kwargs", "command-line"),
+        ({"train": train, "train_args": "abc"}, "train_args", "list or tuple"),
+        ({"train": train, "num_processes": 0}, "num_processes", ">= 1"),
+        ({"train": train, "spark": None, "env": {"RANK": "1"}}, "env", "set by torchrun"),
+    ]
+    for kwargs, argument, text in cases:
+        with pytest.raises(ConfigError) as info:
+            build_job(use_gpu=False, **kwargs)  # type: ignore[arg-type]
+        assert info.value.argument == argument and text in str(info.value), kwargs
+
+
+def test_cancel_token_keeps_the_first_reason() -> None:
+    token = CancelToken()
+    assert not token.cancelled and token.reason is None
+    token.cancel("first")
+    token.cancel("second")
+    assert token.cancelled and token.reason == "first"
+
+
+def test_a_job_cancelled_before_launch_never_starts() -> None:
+    from sparktorch_ops.distributor import launch_job
+
+    job = TrainingJob(train, (1,), options=LaunchSpec(use_gpu=False))
+    job.cancel_token.cancel("killed during templating")
+    with pytest.raises(TrainingCancelledError, match="killed during templating"):
+        launch_job(job)
+
+
+def test_job_holds_spark_settings_checked_up_front() -> None:
+    with pytest.raises(ConfigError, match="spark_master"):
+        TrainingJob(train, (1,), spark=SparkSettings(master="bogus"))
+
+
+def test_one_outcome_mapping_for_every_wrapper() -> None:
+    failure = RankFailure(1, "h1", 4, None, "ValueError: boom", "line\nTraceback...", 1.0)
+    cases = [
+        (None, "succeeded", False, 0),
+        (ConfigError("x", "bad"), "bad_input", False, 2),
+        (TrainingFailedError([failure]), "failed", True, 4),
+        (TrainingTimeoutError("timeout", 5), "timed_out", True, 124),
+        (StartTimeoutError("start_timeout", 5), "timed_out", True, 124),
+        (TrainingCancelledError("stop"), "cancelled", True, 130),
+        (KeyboardInterrupt(), "cancelled", True, 130),
+        (RuntimeError("odd"), "error", True, 1),
+    ]
+    for error, status, retryable, code in cases:
+        outcome = outcome_of(error)
+        assert (outcome.status, outcome.retryable, outcome.exit_status) == (
+            status,
+            retryable,
+            code,
+        ), error
+    failed = outcome_of(TrainingFailedError([failure]))
+    assert (failed.rank, failed.host) == (1, "h1") and "Traceback" in failed.tail
+    assert failed.headline.startswith("training failed: rank 1 failed first")

@@ -1,0 +1,90 @@
+"""The pure parts of the session factory: master URLs, conf, settings, start-up waits.
+
+None of this imports pyspark (the unit tier runs without it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparktorch_ops import planning
+from sparktorch_ops import spark as spark_support
+from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.spark import SparkSettings, parse_master
+
+
+@pytest.mark.parametrize(
+    ("url", "kind", "executors"),
+    [
+        ("local", "local", None),
+        ("local[2]", "local", None),
+        (" local[*] ", "local", None),
+        ("local[2,3]", "local", None),
+        ("local-cluster[2,1,1024]", "local-cluster", 2),
+        ("spark://head:7077", "standalone", None),
+        ("spark://a:7077,b:7077", "standalone", None),
+        ("yarn", "yarn", None),
+        ("k8s://https://kube:6443", "k8s", None),
+        ("mesos://zk:5050", "mesos", None),
+    ],
+)
+def test_master_urls_parse_into_one_form(url: str, kind: str, executors: int | None) -> None:
+    master = parse_master(url)
+    assert (master.url, master.kind, master.executors) == (url.strip(), kind, executors)
+    assert master.in_process == (kind == "local")
+
+
+@pytest.mark.parametrize(
+    "url", ["", "local[0]", "local[x]", "spark:/x", "http://x", "yarn-client", 7]
+)
+def test_a_bad_master_names_the_argument_and_the_forms(url: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_master(url, "spark_master")
+    assert info.value.argument == "spark_master"
+    assert "local[N]" in str(info.value) or "(str)" in str(info.value)
+
+
+def test_conf_values_become_strings_and_bad_ones_are_named() -> None:
+    assert spark_support.validate_conf({"a": True, "b": 2, "c": 1.5, "d": "x"}) == {
+        "a": "true", "b": "2", "c": "1.5", "d": "x",
+    }  # fmt: skip
+    with pytest.raises(ConfigError, match="spark_conf: the value of 'a'"):
+        spark_support.validate_conf({"a": [1]})
+    with pytest.raises(ConfigError, match="keys must be non-empty"):
+        spark_support.validate_conf({" ": "1"})
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        spark_support.validate_conf(["a"])
+
+
+def test_static_and_runtime_settings() -> None:
+    assert spark_support.is_static_conf("spark.executor.memory")
+    assert spark_support.is_static_conf("spark.master")
+    assert spark_support.is_static_conf("spark.sql.warehouse.dir")
+    assert not spark_support.is_static_conf("spark.sql.shuffle.partitions")
+
+
+def test_spark_master_in_conf_is_the_master_unless_it_contradicts_one() -> None:
+    settings = SparkSettings(conf={"spark.master": "local[2]", "spark.x": "1"})
+    assert settings.master == "local[2]" and dict(settings.conf) == {"spark.x": "1"}
+    same = SparkSettings(master="local[2]", conf={"spark.master": " local[2] "})
+    assert same.master == "local[2]"
+    with pytest.raises(ConfigError) as info:
+        SparkSettings(master="spark://head:7077", conf={"spark.master": "local[2]"})
+    assert info.value.argument == "spark_conf" and "contradicts" in str(info.value)
+    with pytest.raises(ConfigError, match="spark_master"):
+        SparkSettings(master="nowhere")
+    assert not SparkSettings().configured and SparkSettings(conf={"a": "b"}).configured
+
+
+def test_in_process_masters_get_no_registration_grace() -> None:
+    assert planning.registration_grace(True, app_age_s=0.5, waiting_time_s=30) == 0.0
+    assert planning.registration_grace(False, app_age_s=4, waiting_time_s=30) == 26
+    assert planning.registration_grace(False, app_age_s=45, waiting_time_s=30) == 0
+
+
+def test_expected_executors_from_instances_or_local_cluster() -> None:
+    assert spark_support.expected_executors("local-cluster[2,1,1024]", None) == 2
+    assert spark_support.expected_executors("yarn", "4") == 4
+    assert spark_support.expected_executors("spark://127.0.0.1:7077", "3") == 3
+    assert spark_support.expected_executors("spark://127.0.0.1:7077", None) is None
+    assert spark_support.expected_executors("k8s://x", "not-a-number") is None
+    assert spark_support.expected_executors("not a master", None) is None
