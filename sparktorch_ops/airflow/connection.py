@@ -101,8 +101,3 @@ def resolve_connection(conn_id: str, log: Any) -> SparkConnection:
         )
     master = master_from_connection(conn.conn_type, conn.host, conn.port)
     return SparkConnection(master, conf_from_extra(conn.extra_dejson, log), conn_id)
-
-
-def is_local_master(master: str) -> bool:
-    """Whether the master runs everything in this process (``local``, ``local[4]``...)."""
-    return master == "local" or master.startswith("local[")

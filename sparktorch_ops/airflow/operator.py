@@ -1,48 +1,37 @@
-"""TorchDistributorOperator: a thin Airflow operator over :class:`sparktorch_ops.TorchDistributor`.
+"""TorchDistributorOperator: a thin Airflow operator over the sparktorch_ops core.
 
-It renders its templated fields, checks them before anything starts, opens the Spark session of
-a barrier-mode run from an Airflow ``spark`` connection, calls the core, and maps the outcome to
-Airflow: an XCom summary, the task log, an extra link, and Airflow's exceptions.
+It renders its templated fields, turns them and its Spark connection into the core's job
+(:func:`sparktorch_ops.job.build_job`), launches it, and maps the result and the core's outcome
+to Airflow: an XCom summary, the task log, an extra link, and Airflow's exceptions.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from sparktorch_ops import events
 from sparktorch_ops.airflow import storage
 from sparktorch_ops.airflow.connection import (
     DEFAULT_CONN_ID,
     MissingConnectionError,
-    SparkConnection,
-    is_local_master,
     resolve_connection,
 )
 from sparktorch_ops.airflow.links import SparkUILink
-from sparktorch_ops.errors import (
-    ConfigError,
-    SparkTorchError,
-    StartTimeoutError,
-    TrainingCancelledError,
-    TrainingFailedError,
-    TrainingTimeoutError,
-)
+from sparktorch_ops.errors import ConfigError, SparkTorchError
+from sparktorch_ops.job import CancelToken, build_job
+from sparktorch_ops.outcome import outcome_of
+from sparktorch_ops.spark import SparkSettings
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-    from sparktorch_ops.distributor import TorchDistributor
     from sparktorch_ops.results import MetricRecord, RunResult
-
-_KILL_POLL_S = 0.1
 
 
 class TorchTrainingError(AirflowException):
@@ -61,15 +50,17 @@ class TorchDistributorOperator(BaseOperator):
     ``value`` (rank 0's return value, or rank 0's stdout for a script) when it is JSON-safe and
     at most ``max_xcom_value_bytes`` as JSON, else ``value_uri`` / ``value_size`` /
     ``value_format`` pointing at the copy written under ``result_location`` (read it back with
-    :func:`sparktorch_ops.airflow.load_result`); and ``metrics`` (rank 0's latest reported
-    values), ``progress``, ``duration_s``, ``num_processes``, ``mode``, ``app_id``, ``ui_url``,
-    ``run_id``, ``exit_codes``, ``started_at``, ``finished_at``.
+    :func:`sparktorch_ops.airflow.load_result`); and the run's summary
+    (:meth:`~sparktorch_ops.results.RunResult.summary`): ``metrics``, ``progress``,
+    ``duration_s``, ``num_processes``, ``mode``, ``app_id``, ``ui_url``, ``run_id``,
+    ``exit_codes``, ``started_at``, ``finished_at``.
 
     Barrier mode (``local_mode=False``) takes its Spark master from the Spark provider's ``spark``
     connection ``conn_id`` (host = master URL). The default ``spark_default`` may be absent (then
-    local Spark, ``local[*]``); any other missing connection is an error. When a SparkContext is
-    already active in the process it is reused as it is (a running context's master and
-    settings cannot change). ``local_mode=True`` starts no Spark at all.
+    ``spark.master`` from ``spark_conf``, else local Spark, ``local[*]``); any other missing
+    connection is an error, and so is a ``spark.master`` in ``spark_conf`` that contradicts the
+    connection's. A SparkContext already running in the process is reused (the settings that
+    cannot apply to it are named in the log). ``local_mode=True`` starts no Spark at all.
 
     Bad input (an unknown ``conn_id``, a ``train`` that is neither callable nor an existing
     script, a non-integer ``num_processes``, anything the core rejects) raises
@@ -162,125 +153,58 @@ class TorchDistributorOperator(BaseOperator):
         self.max_xcom_value_bytes = max_xcom_value_bytes
         # Read by SparkUILink when the task ends; None: not known in this process.
         self.spark_ui_link: str | None = None
-        self._distributor: TorchDistributor | None = None
-        self._killed = False
-        self._jvm_started_here = False
-        self._session_keys: list[str] = []
-
-    # -- Airflow entry points -------------------------------------------------------------
+        # Made up front so that on_kill during templating is not lost; a fresh one per try.
+        self._cancel_token = CancelToken()
 
     def execute(self, context: Context) -> dict[str, Any]:
-        """Check the rendered arguments, run the training, return the XCom summary."""
+        """Build the job from the rendered arguments, run it, return the XCom summary."""
         self.spark_ui_link = ""
-        self._killed = False  # a kill of an earlier try in this process is not this try's
-        num_processes, train = self._checked_input()
-        self._make_distributor(num_processes, spark=None)  # the core's checks, before Spark
-        connection = self._connection()
-        session, created = None, False
-        done = threading.Event()
+        token = self._cancel_token
         try:
-            if not self.local_mode:
-                session, created = self._spark_session(connection)
-                self._publish_ui_link(session, context)
-            distributor = self._make_distributor(num_processes, spark=session)
-            self._distributor = distributor
-            threading.Thread(
-                target=self._forward_kill, args=(distributor, done), daemon=True
-            ).start()
-            if self._killed:
-                raise TrainingCancelledError("on_kill() was called before the launch")
-            result = distributor.launch(train, *self.train_args, **self.train_kwargs)
-        except ConfigError as exc:
-            raise AirflowFailException(f"sparktorch_ops: bad input: {exc}") from exc
-        except TrainingFailedError as exc:
-            raise TorchTrainingError(f"training failed: {exc}") from exc
-        except (StartTimeoutError, TrainingTimeoutError, TrainingCancelledError) as exc:
-            raise TorchTrainingError(str(exc)) from exc
+            job = build_job(
+                train=self.train,
+                train_args=self.train_args,
+                train_kwargs=self.train_kwargs,
+                num_processes=self.num_processes,
+                local_mode=self.local_mode,
+                use_gpu=self.use_gpu,
+                spark=self._spark_settings(),
+                env=self.env,
+                max_restarts=self.max_restarts,
+                torchrun_args=self.torchrun_args,
+                timeout=self.timeout,
+                start_timeout=self.start_timeout,
+                log_ranks=self.log_ranks,
+                logger=self.log,
+                on_metrics=self._on_metrics,
+                on_event=lambda event: self._on_event(event, context),
+                cancel_token=token,
+            )
+            from sparktorch_ops.distributor import launch_job
+
+            result = launch_job(job)
         except SparkTorchError as exc:
-            raise TorchTrainingError(f"{type(exc).__name__}: {exc}") from exc
+            outcome = outcome_of(exc)
+            if not outcome.retryable:
+                raise AirflowFailException(f"sparktorch_ops: {outcome.message}") from exc
+            raise TorchTrainingError(outcome.message) from exc
         finally:
-            done.set()
-            self._distributor = None
-            if created and session is not None:
-                try:
-                    self._stop_session(session)
-                except Exception:  # must not hide the run's own outcome
-                    self.log.warning("sparktorch_ops: could not stop Spark", exc_info=True)
+            self._cancel_token = CancelToken()  # a kill of this try is not the next try's
         return self._summary(result, context)
 
     def on_kill(self) -> None:
         """Cancel the run: the Spark job is interrupted and every process of the run ends.
 
         Airflow calls this from its SIGTERM handler on the main thread, and when
-        ``execution_timeout`` expires. It only sets flags (the core's ``cancel()`` does the
-        same): the thread that waits in ``execute`` tears the run down and raises.
+        ``execution_timeout`` expires. It only sets a flag: the thread that waits in
+        ``execute`` tears the run down and raises.
         """
-        self._killed = True
-        distributor = self._distributor
-        if distributor is not None:
-            distributor.cancel()
+        self._cancel_token.cancel("the Airflow task was killed (on_kill)")
 
-    # -- steps ----------------------------------------------------------------------------
-
-    def _checked_input(self) -> tuple[int, Callable[..., Any] | str]:
-        """The rendered ``num_processes`` and ``train``; AirflowFailException when bad."""
-        value: Any = self.num_processes
-        if isinstance(value, bool):
-            raise AirflowFailException(f"num_processes: must be an integer, got {value!r}")
-        try:
-            num_processes = int(str(value).strip()) if isinstance(value, str) else int(value)
-        except (TypeError, ValueError):
-            raise AirflowFailException(
-                f"num_processes: must be an integer after templating, got {value!r}"
-            ) from None
-        if isinstance(value, float) and value != num_processes:
-            raise AirflowFailException(f"num_processes: must be an integer, got {value!r}")
-        train: Any = self.train
-        if callable(train):
-            return num_processes, train
-        if isinstance(train, str):
-            path = Path(train.strip()).expanduser()
-            if not path.is_file():
-                raise AirflowFailException(
-                    f"train: the script {train!r} does not exist (after templating; resolved: "
-                    f"{path.resolve()})"
-                )
-            if self.train_kwargs:
-                raise AirflowFailException(
-                    "train_kwargs: a script takes command-line arguments only; pass "
-                    f"{sorted(self.train_kwargs)} as '--name=value' strings in train_args"
-                )
-            return num_processes, str(path)
-        raise AirflowFailException(
-            "train: must be a callable or the path of a Python script, got "
-            f"{type(train).__name__} ({train!r})"
-        )
-
-    def _make_distributor(self, num_processes: int, spark: Any) -> TorchDistributor:
-        from sparktorch_ops.distributor import TorchDistributor
-
-        try:
-            return TorchDistributor(
-                num_processes=num_processes,
-                local_mode=self.local_mode,
-                use_gpu=self.use_gpu,
-                spark=spark,
-                env={str(k): str(v) for k, v in self.env.items()},
-                max_restarts=self.max_restarts,
-                torchrun_args=self.torchrun_args,
-                logger=self.log,
-                on_metrics=self._on_metrics,
-                start_timeout=self.start_timeout,
-                timeout=self.timeout,
-                log_ranks=self.log_ranks,
-            )
-        except ConfigError as exc:
-            raise AirflowFailException(f"sparktorch_ops: bad input: {exc}") from exc
-
-    def _connection(self) -> SparkConnection | None:
-        """The Spark connection for barrier mode (also checked in local mode when explicit)."""
+    def _spark_settings(self) -> SparkSettings:
+        """The Spark session settings from the connection and ``spark_conf``."""
         if self.local_mode and self.conn_id == DEFAULT_CONN_ID:
-            return None
+            return SparkSettings()
         try:
             connection = resolve_connection(self.conn_id, self.log)
         except (MissingConnectionError, ValueError) as exc:
@@ -291,59 +215,33 @@ class TorchDistributorOperator(BaseOperator):
                 "connection %r is not used",
                 self.conn_id,
             )
-            return None
-        return connection
-
-    def _spark_session(self, connection: SparkConnection | None) -> tuple[Any, bool]:
-        """The active session (reused as it is), else a new one from the connection."""
-        from sparktorch_ops import spark as spark_support
-
-        active = spark_support.active_session()
-        if active is not None:
-            master = active.sparkContext.master
-            if self.conn_id != DEFAULT_CONN_ID or self.spark_conf:
-                self.log.warning(
-                    "sparktorch_ops: reusing the SparkContext already running in this process "
-                    "(master %s); conn_id %r and spark_conf cannot change a running context and "
-                    "are not applied",
-                    master,
-                    self.conn_id,
-                )
-            else:
-                self.log.info("sparktorch_ops: reusing the active SparkSession (master %s)", master)
-            return active, False
-        from pyspark import SparkContext
-        from pyspark.sql import SparkSession
-
-        assert connection is not None
-        self._jvm_started_here = SparkContext._gateway is None
-        conf = {**connection.conf, **{str(k): str(v) for k, v in self.spark_conf.items()}}
-        if is_local_master(connection.master):
-            # Loopback for a driver that only talks to itself; a cluster's driver address is
-            # the cluster's business (spark_conf or the connection's extra).
-            conf.setdefault("spark.driver.host", "127.0.0.1")
-        builder = SparkSession.builder.master(connection.master).appName(
-            f"airflow-{self.dag_id}-{self.task_id}"
+            return SparkSettings()
+        if connection.conn_id is not None:
+            self.log.info(
+                "sparktorch_ops: Spark master %s from connection %s",
+                connection.master,
+                connection.conn_id,
+            )
+        conf = {**connection.conf, **self.spark_conf}
+        # Without a connection, a spark.master in spark_conf names the master; a connection's
+        # master must not be contradicted (SparkSettings refuses that).
+        master = (
+            None if connection.conn_id is None and "spark.master" in conf else connection.master
         )
-        for key, value in conf.items():
-            builder = builder.config(key, value)
-        self.log.info(
-            "sparktorch_ops: starting a SparkSession on %s (connection %s)",
-            connection.master,
-            connection.conn_id or "none: local Spark",
-        )
-        session = builder.getOrCreate()
-        self._session_keys = ["spark.master", "spark.app.name", *conf]
-        return session, True
-
-    def _publish_ui_link(self, session: Any, context: Context) -> None:
-        from sparktorch_ops import spark as spark_support
-
         try:
-            url = spark_support.ui_url(session.sparkContext) or ""
-        except Exception:  # a link must never fail the task
-            url = ""
-        self.spark_ui_link = url
+            return SparkSettings(
+                master=master, conf=conf, app_name=f"airflow-{self.dag_id}-{self.task_id}"
+            )
+        except ConfigError as exc:
+            raise AirflowFailException(f"sparktorch_ops: bad input: {exc}") from exc
+
+    def _on_event(self, event: events.PhaseEvent, context: Context) -> None:
+        if event.name != events.SESSION_READY:
+            return
+        url = str(event.detail.get("ui_url") or "")
+        # A session this task started dies with it: only a History Server page outlives it.
+        lasting = not event.detail.get("created") or "/history/" in url
+        self.spark_ui_link = url if lasting else ""
         if url:
             self.log.info("sparktorch_ops: Spark UI: %s", url)
             try:
@@ -351,61 +249,19 @@ class TorchDistributorOperator(BaseOperator):
             except Exception:
                 self.log.warning("sparktorch_ops: could not store the Spark UI link", exc_info=True)
 
-    def _stop_session(self, session: Any) -> None:
-        from sparktorch_ops import spark as spark_support
-
-        sc = session.sparkContext
-        live = sc.uiWebUrl
-        final = spark_support.ui_url(sc)
-        # The live UI dies with this session; only a History Server page outlives it.
-        self.spark_ui_link = final if final and final != live else ""
-        jvm = sc._jvm
-        session.stop()
-        if self._jvm_started_here and jvm is not None:
-            # pyspark starts its JVM with the first session's settings as Java system
-            # properties, which every later SparkContext of this process would inherit (a
-            # dag.test() runs all tasks in one process): this task's settings end with it.
-            for key in self._session_keys:
-                try:
-                    jvm.java.lang.System.clearProperty(key)
-                except Exception:
-                    self.log.debug("sparktorch_ops: could not clear %s", key, exc_info=True)
-
-    def _forward_kill(self, distributor: TorchDistributor, done: threading.Event) -> None:
-        """Repeat cancel() while execute runs: on_kill may come before the run registered."""
-        while not done.wait(_KILL_POLL_S):
-            if self._killed:
-                distributor.cancel()
-
     def _on_metrics(self, record: MetricRecord) -> None:
-        if record.rank != 0:
-            return
-        values = " ".join(f"{k}={v}" for k, v in record.values.items())
-        if record.progress is not None:
-            self.log.info(
-                "sparktorch_ops: step %s progress %.0f%% %s",
-                record.step,
-                100 * record.progress,
-                values,
-            )
-        else:
-            self.log.info("sparktorch_ops: step %s %s", record.step, values)
+        if record.rank == 0:
+            self.log.info("sparktorch_ops: %s", record.describe())
 
     def _summary(self, result: RunResult, context: Context) -> dict[str, Any]:
         ti: Any = context["ti"]
-        location = self.result_location or storage.default_result_location()
-        max_bytes = (
-            self.max_xcom_value_bytes
-            if self.max_xcom_value_bytes is not None
-            else storage.default_max_xcom_value_bytes()
-        )
         key = storage.result_key(
             ti.dag_id, ti.run_id, ti.task_id, getattr(ti, "map_index", -1), ti.try_number
         )
-        started = time.monotonic()
+        location = str(self.result_location or storage.default_result_location())
         try:
             fields = storage.value_fields(
-                result.value, location=str(location), key=key, max_bytes=int(max_bytes)
+                result.value, location=location, key=key, max_bytes=self.max_xcom_value_bytes
             )
         except Exception as exc:
             raise TorchTrainingError(
@@ -414,27 +270,9 @@ class TorchDistributorOperator(BaseOperator):
             ) from exc
         if "value_uri" in fields:
             self.log.info(
-                "sparktorch_ops: rank 0's value (%s) written to %s (%d bytes, %.1f s)",
+                "sparktorch_ops: rank 0's value (%s) written to %s (%d bytes)",
                 fields["value_stored_because"],
                 fields["value_uri"],
                 fields["value_size"],
-                time.monotonic() - started,
             )
-        metrics = {k: storage.json_scalar(v) for k, v in result.final_metrics(0).items()}
-        summary: dict[str, Any] = {
-            **fields,
-            "metrics": metrics,
-            "progress": result.progress,
-            "duration_s": round(result.duration.total_seconds(), 3),
-            "num_processes": result.num_processes,
-            "mode": result.mode,
-            "app_id": result.app_id,
-            "ui_url": result.ui_url,
-            "run_id": result.run_id,
-            "exit_codes": {str(rank): code for rank, code in sorted(result.exit_codes.items())},
-            "started_at": result.started_at.isoformat(),
-            "finished_at": result.finished_at.isoformat(),
-        }
-        if result.output_truncated:
-            summary["output_truncated"] = True
-        return summary
+        return {**fields, **result.summary()}

@@ -71,15 +71,6 @@ def json_safe_problem(value: Any, where: str = "value") -> str | None:
     return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
 
 
-def json_scalar(value: Any) -> Any:
-    """A metric value as JSON: non-finite floats become strings (``"nan"``), others as they are."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
-
-
 def _path(uri: str) -> Any:
     """An ``ObjectStoragePath`` (Airflow connections, its registered schemes), else a UPath."""
     from airflow.sdk import ObjectStoragePath
@@ -129,8 +120,15 @@ def store_value(value: Any, location: str, key: str) -> dict[str, Any]:
     return {"value_uri": _uri(target), "value_size": len(data), "value_format": fmt}
 
 
-def value_fields(value: Any, *, location: str, key: str, max_bytes: int) -> dict[str, Any]:
-    """The summary fields for rank 0's value: inline when JSON-safe and small, else stored."""
+def value_fields(
+    value: Any, *, location: str, key: str, max_bytes: int | None = None
+) -> dict[str, Any]:
+    """The summary fields for rank 0's value: inline when JSON-safe and small, else stored.
+
+    ``max_bytes`` None: ``[sparktorch_ops] max_xcom_value_bytes`` (48 KB by default).
+    """
+    if max_bytes is None:
+        max_bytes = default_max_xcom_value_bytes()
     problem = json_safe_problem(value)
     if problem is None:
         size = len(json.dumps(value, allow_nan=False).encode("utf-8"))

@@ -15,13 +15,14 @@ Prefect is imported only by this subpackage; the core never imports it.
 from __future__ import annotations
 
 from sparktorch_ops.prefect.artifacts import RunArtifacts, RunSummary, artifact_keys
-from sparktorch_ops.prefect.blocks import SparkCluster, validate_master
-from sparktorch_ops.prefect.task import (
+from sparktorch_ops.prefect.blocks import SparkCluster
+from sparktorch_ops.prefect.results import (
     TASK_RUN_RESULT_KEY,
     TaskRunResultKey,
     retry_unless_bad_input,
-    run_torch_distributor,
 )
+from sparktorch_ops.prefect.task import run_torch_distributor
+from sparktorch_ops.spark import validate_master
 
 __all__ = [
     "TASK_RUN_RESULT_KEY",

@@ -30,7 +30,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from sparktorch_ops.errors import ConfigError, TrainingFailedError
+from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.outcome import outcome_of
 from sparktorch_ops.results import MetricRecord
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
@@ -174,18 +175,14 @@ def describe_error(exc: BaseException, timeout_seconds: float | None = None) -> 
         exc: what the launch raised.
         timeout_seconds: the task's Prefect timeout: it arrives as a cancellation.
     """
-    if isinstance(exc, TrainingFailedError):
-        return "failed", str(exc)
-    if isinstance(exc, TimeoutError):
-        return "timed out", f"{type(exc).__name__}: {exc}"
     if isinstance(exc, asyncio.CancelledError) and timeout_seconds is not None:
         return "timed out", (
             f"the task ran past its timeout_seconds={timeout_seconds:g}; the training was "
             "stopped and every process of the run ended"
         )
-    if not isinstance(exc, Exception):
-        return "cancelled", f"{type(exc).__name__}: {exc}"
-    return "failed", f"{type(exc).__name__}: {exc}"
+    outcome = outcome_of(exc)
+    status = {"timed_out": "timed out", "cancelled": "cancelled"}.get(outcome.status, "failed")
+    return status, outcome.message
 
 
 class RunArtifacts:
@@ -266,10 +263,17 @@ class RunArtifacts:
         summary: RunSummary,
         *,
         completed: bool,
-        ui_url: str | None = None,
-        ui_description: str = "",
+        session_created: bool | None = None,
     ) -> None:
-        """Final progress (100 when completed), the metrics table, the summary and the link."""
+        """Final progress (100 when completed), the metrics table, the summary and the link.
+
+        Args:
+            summary: the run's summary (its ``ui_url`` is the link's target).
+            completed: whether the training completed.
+            session_created: whether the run started its own Spark session (its live UI is
+                gone once the task ends).
+        """
+        ui_url = summary.ui_url
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -300,7 +304,7 @@ class RunArtifacts:
                     link=ui_url,
                     link_text=f"Spark UI of {summary.app_id or 'the run'}",
                     key=self.keys["spark-ui"],
-                    description=ui_description,
+                    description=ui_description(ui_url, session_created),
                 ),
             )
 
@@ -317,3 +321,17 @@ class RunArtifacts:
                 )
                 self._warned = True
             return None
+
+
+def ui_description(url: str | None, created: bool | None) -> str:
+    """The Spark UI link artifact's description: how long the link will work."""
+    if url is None:
+        return ""
+    if "/history/" in url:
+        return "The Spark History Server page of the training's application."
+    if created:
+        return (
+            "The driver's live Spark UI: it went away when the task stopped the session; "
+            "configure a History Server (SparkCluster.history_server_url) for a lasting link."
+        )
+    return "The driver's live Spark UI: reachable while the flow run's Spark session lives."

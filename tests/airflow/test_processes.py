@@ -155,10 +155,8 @@ def test_operator_on_a_standalone_cluster_from_a_connection(
     history = f"{HISTORY}/history/{on_cluster['app_id']}/jobs/"
     assert on_cluster["ui_url"] == history
     assert read_xcom("sto_cluster", run_id, "on_cluster", key="_link_SparkUILink") == history
-    assert (
-        f"starting a SparkSession on {standalone_cluster.master_url} (connection spark_cluster)"
-        in output
-    )
+    assert f"Spark master {standalone_cluster.master_url} from connection spark_cluster" in output
+    assert f"starting a SparkSession (master {standalone_cluster.master_url})" in output
 
     default = read_xcom("sto_cluster", run_id, "default_conn")
     assert default["mode"] == "barrier"

@@ -22,8 +22,9 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from prefect.testing.utilities import prefect_test_harness
 
     storage = tmp_path_factory.mktemp("prefect-results")
-    with prefect_test_harness(server_startup_timeout=120), temporary_settings(
-        {PREFECT_LOCAL_STORAGE_PATH: str(storage)}
+    with (
+        prefect_test_harness(server_startup_timeout=120),
+        temporary_settings({PREFECT_LOCAL_STORAGE_PATH: str(storage)}),
     ):
         yield str(PREFECT_API_URL.value())
 

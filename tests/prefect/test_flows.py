@@ -45,8 +45,13 @@ def test_retrain_digits_flow_publishes_and_reports(registry: Path) -> None:
     assert all(isinstance(row["loss"], float) for row in rows)
     assert rows[-1]["progress"] == 1.0
     summary = artifacts["train-digits-summary"].data
-    for text in ("completed", "| Processes | 2 |", "local (ranks on the driver)", "loss",
-                 "persisted in Prefect result storage at"):
+    for text in (
+        "completed",
+        "| Processes | 2 |",
+        "local (ranks on the driver)",
+        "loss",
+        "persisted in Prefect result storage at",
+    ):
         assert text in summary, text
     stored = summary.split("persisted in Prefect result storage at `", 1)[1].split("`", 1)[0]
     assert Path(stored).is_file()  # the trained value really is in result storage

@@ -268,9 +268,18 @@ def _table(artifact: Any) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize(
     "master",
-    ["local", "local[2]", "local[*]", "local[4,2]", "local-cluster[2,1,1024]",
-     "spark://head:7077", "spark://a:7077,b:7077", "yarn", "k8s://https://api:6443",
-     "mesos://zk:5050"],
+    [
+        "local",
+        "local[2]",
+        "local[*]",
+        "local[4,2]",
+        "local-cluster[2,1,1024]",
+        "spark://head:7077",
+        "spark://a:7077,b:7077",
+        "yarn",
+        "k8s://https://api:6443",
+        "mesos://zk:5050",
+    ],
 )
 def test_valid_masters(master: str) -> None:
     assert validate_master(master) == master
@@ -287,7 +296,7 @@ def test_cluster_block_validates_its_master() -> None:
     with pytest.raises(ValueError, match="not a Spark master URL"):
         SparkCluster(master="nonsense://x")
     cluster = SparkCluster(master="yarn", history_server_url="http://history:18080")
-    assert cluster.spark_conf()["spark.sparktorch.historyServer.url"] == "http://history:18080"
+    assert cluster.settings().conf["spark.sparktorch.historyServer.url"] == "http://history:18080"
 
 
 def test_result_key_depends_on_the_task_run_only() -> None:

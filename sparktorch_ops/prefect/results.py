@@ -1,0 +1,61 @@
+"""Where the Prefect task's results go, and which failures Prefect retries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prefect.cache_policies import CachePolicy
+from prefect.client.schemas.objects import TaskRun
+from prefect.context import TaskRunContext
+from prefect.states import State
+
+from sparktorch_ops.outcome import outcome_of
+
+
+@dataclass
+class TaskRunResultKey(CachePolicy):
+    """A result key unique to each task run: results are persisted, never reused by another run.
+
+    Training is not something to skip because a similar call ran before, so no inputs go into
+    the key (nor could a Spark session, a logger or a callback); a retry of the same task run
+    reruns the job because a failed attempt stores nothing.
+    """
+
+    def compute_key(
+        self,
+        task_ctx: TaskRunContext,
+        inputs: dict[str, Any],
+        flow_parameters: dict[str, Any],
+        **kwargs: Any,
+    ) -> str | None:
+        """``sparktorch-ops-<task run id>``."""
+        return self.key_for(task_ctx.task_run.id)
+
+    @staticmethod
+    def key_for(task_run_id: Any) -> str:
+        """The storage key of a task run's result."""
+        return f"sparktorch-ops-{task_run_id}"
+
+
+TASK_RUN_RESULT_KEY = TaskRunResultKey()
+
+
+def retry_unless_bad_input(task: Any, task_run: TaskRun, state: State[Any]) -> bool:
+    """Prefect ``retry_condition_fn``: retry what may succeed again (not bad input)."""
+    error = state.data
+    return not isinstance(error, BaseException) or outcome_of(error).retryable
+
+
+def result_location(ctx: TaskRunContext | None, value: Any) -> str:
+    """One line for the summary: what rank 0 returned and where Prefect keeps it."""
+    kind = f"rank 0 returned a `{type(value).__name__}`"
+    if ctx is None or not ctx.persist_result:
+        return f"{kind}, handed to the flow in memory (result persistence is off)"
+    storage = getattr(ctx.result_store, "result_storage", None)
+    base = getattr(storage, "basepath", None)
+    if isinstance(ctx.task.cache_policy, TaskRunResultKey):
+        key = TaskRunResultKey.key_for(ctx.task_run.id)
+        where = f"{str(base).rstrip('/')}/{key}" if base else f"key {key}"
+        return f"{kind}, persisted in Prefect result storage at `{where}`"
+    return f"{kind}, persisted in Prefect result storage" + (f" under `{base}`" if base else "")
