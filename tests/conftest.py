@@ -1,5 +1,8 @@
-"""Shared fixtures: one local[2] SparkSession per test session, a Spark standalone cluster,
-and a check that a run left no process behind."""
+"""Shared fixtures: one local[2] SparkSession per test session and a Spark standalone cluster.
+
+Nothing here imports pyspark, Airflow or Prefect at import time: the unit tier
+(``tests/unit``) runs without them. The fixtures import what they need when first used.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +11,12 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.support import cluster as cluster_support
+if TYPE_CHECKING:
+    from tests.support.cluster import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,9 +49,9 @@ def spark() -> Iterator[object]:
 
 
 @pytest.fixture(scope="session")
-def standalone_cluster(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[cluster_support.Cluster]:
+def standalone_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A Spark standalone master and 2 workers (1 core each) on 127.0.0.1, free ports."""
+    from tests.support import cluster as cluster_support
+
     with cluster_support.start_cluster(tmp_path_factory.mktemp("spark-cluster"), workers=2) as c:
         yield c

@@ -5,8 +5,11 @@ Each driver runs in its own process: one SparkContext per process.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,62 +82,143 @@ emit(out)
     assert str(tmp_path) not in script_line  # ran from the shipped copy, not the driver's file
 
 
-def _python(version: str) -> str | None:
-    path = Path.home() / ".pyenv" / "versions"
-    for candidate in sorted(path.glob(f"{version}*/bin/python{version}")):
-        return str(candidate)
-    return None
-
-
-def test_executor_python_problems_are_clear_errors(tmp_path: Path) -> None:
-    """Sequential sessions in one driver: wrong Python version, no torch, dynamic allocation,
-    encryption. Each must fail before launch, naming what to set."""
-    other_version = _python("3.12")
-    no_torch = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else None
-    if other_version is None or no_torch is None:
-        pytest.skip("needs a Python 3.12 and a system python3 without torch on this machine")
-    result, output = run_driver(
-        tmp_path,
-        f"""
+ATTEMPTS = """
 import os, time
 from pyspark.sql import SparkSession
 from sparktorch_ops import TorchDistributor, ConfigError
 
-def attempt(python, **conf):
+# The session that starts the JVM passes its settings as Java system properties, which every
+# later session of the process inherits: each case states the settings the others change.
+NEUTRAL = {"spark.dynamicAllocation.enabled": "false", "spark.authenticate": "false",
+           "spark.network.crypto.enabled": "false", "spark.ssl.enabled": "false"}
+
+def attempt(python, conf):
     os.environ["PYSPARK_PYTHON"] = python
     builder = SparkSession.builder.master("local[2]").config("spark.driver.host", "127.0.0.1")
-    for key, value in conf.items():
-        builder = builder.config(key.replace("_", "."), value)
+    for key, value in {**NEUTRAL, **conf}.items():
+        builder = builder.config(key, value)
     spark = builder.getOrCreate()
     started = time.monotonic()
     try:
         TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark).run(print)
-        return {{"error": None}}
+        return {"error": None}
     except ConfigError as exc:
-        return {{"error": str(exc), "argument": exc.argument, "seconds": time.monotonic() - started}}
+        return {"error": str(exc), "argument": exc.argument, "seconds": time.monotonic() - started}
     finally:
         spark.stop()
 
-out = {{}}
-out["version"] = attempt({other_version!r})
-out["no_torch"] = attempt({no_torch!r})
-out["dynamic"] = attempt({sys.executable!r}, spark_dynamicAllocation_enabled="true",
-                         spark_shuffle_service_enabled="false")
-out["crypto"] = attempt({sys.executable!r}, spark_authenticate="true",
-                        spark_authenticate_secret="s", spark_network_crypto_enabled="true")
-emit(out)
-""",
+emit({name: attempt(python, conf) for name, (python, conf) in CASES.items()})
+"""
+
+
+def _attempt_barrier_runs(
+    tmp_path: Path, cases: dict[str, tuple[str, dict[str, str]]]
+) -> tuple[dict[str, Any], str]:
+    """One driver; per case a fresh local[2] session whose executors run ``python`` with
+    ``conf``, and a barrier run on it. Returns each case's ConfigError (or None), and the log."""
+    result, output = run_driver(tmp_path, f"CASES = {cases!r}\n" + ATTEMPTS)
+    for name, case in result.items():
+        assert case["error"] is not None, f"{name}: the barrier run did not fail\n{output[-3000:]}"
+        assert case["seconds"] < 60, f"{name}: failed only after {case['seconds']:.0f} s"
+    return result, output
+
+
+def _python_version(python: str) -> tuple[int, int] | None:
+    try:
+        proc = subprocess.run(
+            [python, "-c", "import sys; print(*sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0 or len(proc.stdout.split()) != 2:
+        return None
+    major, minor = proc.stdout.split()
+    return int(major), int(minor)
+
+
+def _other_cpython() -> tuple[str, str] | None:
+    """A CPython 3.10-3.13 other than this one's minor version, under ~/.pyenv/versions or on
+    PATH (nearest minor first): (interpreter, "3.x"), or None."""
+    mine = sys.version_info.minor
+    for minor in sorted({10, 11, 12, 13} - {mine}, key=lambda m: (abs(m - mine), -m)):
+        name = f"python3.{minor}"
+        versions = Path.home() / ".pyenv" / "versions"
+        candidates = [
+            str(p) for p in sorted(versions.glob(f"3.{minor}.*/bin/{name}"), reverse=True)
+        ]
+        candidates += [found] if (found := shutil.which(name)) else []
+        for candidate in candidates:  # a pyenv shim may name a version it cannot run
+            if _python_version(candidate) == (3, minor):
+                return candidate, f"3.{minor}"
+    return None
+
+
+def test_barrier_conf_problems_are_clear_errors(tmp_path: Path) -> None:
+    """Dynamic allocation, and Spark encryption without the explicit opt-out: both fail before
+    launch, naming the argument to change."""
+    result, output = _attempt_barrier_runs(
+        tmp_path,
+        {
+            "dynamic": (
+                sys.executable,
+                {
+                    "spark.dynamicAllocation.enabled": "true",
+                    "spark.shuffle.service.enabled": "false",
+                },
+            ),
+            "crypto": (
+                sys.executable,
+                {
+                    "spark.authenticate": "true",
+                    "spark.authenticate.secret": "s",
+                    "spark.network.crypto.enabled": "true",
+                },
+            ),
+        },
     )
-    version, no_torch_result = result["version"], result["no_torch"]
-    assert version["argument"].startswith("PYSPARK_PYTHON"), output
-    assert "another Python version" in version["error"] or "runs Python 3.12" in version["error"]
-    assert no_torch_result["argument"].startswith("PYSPARK_PYTHON")
-    assert "torch" in no_torch_result["error"] and "PYSPARK_PYTHON" in no_torch_result["error"]
-    assert result["dynamic"]["argument"] == "local_mode"
+    assert result["dynamic"]["argument"] == "local_mode", output[-3000:]
     assert "dynamicAllocation" in result["dynamic"]["error"]
     assert result["crypto"]["argument"] == "allow_unencrypted_channel"
-    for case in result.values():
-        assert case["seconds"] < 60
+    assert "spark.network.crypto.enabled" in result["crypto"]["error"]
+    assert "allow_unencrypted_channel=True" in result["crypto"]["error"]
+
+
+def test_executor_python_without_torch_is_a_clear_error(tmp_path: Path) -> None:
+    """Executors on a fresh venv of the same Python (no torch, no sparktorch_ops): the probe
+    fails the run before launch, naming PYSPARK_PYTHON and what is missing."""
+    venv = tmp_path / "no-torch-venv"
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    bare = str(venv / "bin" / "python")
+    no_torch = subprocess.run([bare, "-c", "import torch"], capture_output=True, timeout=60)
+    assert no_torch.returncode != 0, "the throwaway venv can import torch"
+    assert _python_version(bare) == sys.version_info[:2]
+
+    result, output = _attempt_barrier_runs(tmp_path, {"no_torch": (bare, {})})
+    case = result["no_torch"]
+    assert case["argument"].startswith("PYSPARK_PYTHON"), output[-3000:]
+    assert "PYSPARK_PYTHON" in case["error"] and "torch" in case["error"]
+    assert bare in case["error"]  # the interpreter that lacks it
+
+
+def test_executor_python_of_another_version_is_a_clear_error(tmp_path: Path) -> None:
+    """Executors on another CPython minor version than the driver: fails before launch,
+    naming PYSPARK_PYTHON. Needs such an interpreter on this machine (PATH or pyenv)."""
+    other = _other_cpython()
+    if other is None:
+        pytest.skip(
+            "no CPython 3.10-3.13 other than this one's version on PATH or in ~/.pyenv/versions"
+        )
+    python, version = other
+    result, output = _attempt_barrier_runs(tmp_path, {"version": (python, {})})
+    case = result["version"]
+    assert case["argument"].startswith("PYSPARK_PYTHON"), output[-3000:]
+    assert "PYSPARK_PYTHON" in case["error"]
+    assert "another Python version" in case["error"] or f"runs Python {version}" in case["error"]
 
 
 def test_gpu_assignment_with_fake_discovery_scripts(tmp_path: Path) -> None:

@@ -46,8 +46,7 @@ def run_driver(
     start = output.find("Traceback (most recent call last)")
     traceback = output[start : start + 4000] + "\n...\n" if start >= 0 else ""
     raise AssertionError(
-        f"driver program exited {proc.returncode} without a result:\n"
-        f"{traceback}{output[-4000:]}"
+        f"driver program exited {proc.returncode} without a result:\n{traceback}{output[-4000:]}"
     )
 
 

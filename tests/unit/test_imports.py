@@ -9,16 +9,9 @@ import warnings
 import pytest
 
 from sparktorch_ops import report
+from tests.support.blocking import FRAMEWORKS, blocker_source
 
-BLOCKER = """
-import sys
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {"airflow", "prefect", "torch", "pyspark", "py4j", "lightning", "deepspeed"}:
-            raise ImportError(f"{name} is blocked in this test")
-        return None
-sys.meta_path.insert(0, Block())
-"""
+BLOCKER = blocker_source(FRAMEWORKS)
 
 
 def test_core_imports_with_frameworks_blocked() -> None:
