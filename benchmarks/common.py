@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -468,62 +468,11 @@ class RssSampler:
 
 # -- instrumentation (breakdown runs only) ---------------------------------------------------
 class Recorder:
-    """Wraps functions and methods to record when they were entered and left.
-
-    Only the breakdown runs use it; timed comparison runs are never instrumented.
-    """
+    """Points in time of one breakdown run (from a run's phase events, and rank marks)."""
 
     def __init__(self) -> None:
-        self.events: list[tuple[str, float, float]] = []
         self.marks: list[tuple[str, float]] = []
-        self._restore: list[tuple[Any, str, Any]] = []
-
-    def wrap(self, owner: Any, name: str, label: str | None = None) -> None:
-        """Replace ``owner.name`` by a wrapper that records (label, start, end)."""
-        original = getattr(owner, name)
-        label = label or name
-        events = self.events
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            started = time.time()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                events.append((label, started, time.time()))
-
-        self._restore.append((owner, name, original))
-        setattr(owner, name, wrapper)
-
-    def replace(self, owner: Any, name: str, replacement: Any) -> None:
-        """Replace ``owner.name`` by ``replacement`` until :meth:`restore`."""
-        self._restore.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, replacement)
 
     def mark(self, label: str, when: float | None = None) -> None:
         """Record a point in time."""
         self.marks.append((label, time.time() if when is None else when))
-
-    def first(self, label: str) -> tuple[float, float] | None:
-        """(start, end) of the first recorded call of ``label``."""
-        for name, start, end in self.events:
-            if name == label:
-                return start, end
-        return None
-
-    def first_mark(self, label: str) -> float | None:
-        """The first time ``label`` was marked."""
-        return next((t for name, t in self.marks if name == label), None)
-
-    def restore(self) -> None:
-        """Put every wrapped attribute back."""
-        for owner, name, original in reversed(self._restore):
-            setattr(owner, name, original)
-        self._restore.clear()
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[Recorder]:
-        """Restore everything on exit."""
-        try:
-            yield self
-        finally:
-            self.restore()

@@ -8,8 +8,9 @@ local and barrier mode on the same session. Reports medians and ratios to bare t
 Then a breakdown: one instrumented run per variant (``--breakdown-runs``) in which every rank
 writes ``time.time()`` marks (function start, after ``import torch``, after
 ``init_process_group``, end) and its process chain with start times read from ``/proc``, and,
-for ours, the driver's own steps are timed by wrapping them in this process (pickling, Spark
-preflight, launcher start, channel hellos, result arrival, agent exit, drain, teardown). Probes
+for ours, the driver's own steps come from the run's public phase events (``on_event``: job
+packed, Spark preflight, channel open, launcher started, hellos, result arrival, exits, drain,
+teardown); no private name is patched. Probes
 (``python -c "import torch"`` and the like) are measured separately and used only to split the
 agent's start-up, which is marked as inferred.
 
@@ -68,6 +69,7 @@ class Launchers:
         self.use_gpu = use_gpu
         self.timeout = timeout
         self.logger = common.quiet_logger()
+        self.on_event: Callable[[Any], None] | None = None  # set for breakdown runs only
 
     def ours(self, local_mode: bool) -> Any:
         from sparktorch_ops import TorchDistributor
@@ -79,6 +81,7 @@ class Launchers:
             spark=None if local_mode else self.session,
             logger=self.logger,
             timeout=self.timeout,
+            on_event=self.on_event,
         )
 
     def pyspark(self, local_mode: bool, call: Callable[[Any], Any]) -> Any:
@@ -154,45 +157,25 @@ def check_value(name: str, value: Any) -> dict[str, Any] | None:
 
 
 # -- breakdown -------------------------------------------------------------------------------
-def instrument_ours(recorder: Recorder) -> None:
-    """Wrap the driver-side steps of a run of ours (this process only, breakdown runs only)."""
-    from sparktorch_ops import channel, collector, distributor, launchers
-    from sparktorch_ops import spark as spark_support
+# Events seen once per rank or node: the latest one is the one on the critical path.
+PER_PEER_EVENTS = (
+    "supervisor_connected",
+    "worker_connected",
+    "rank_exited",
+    "node_connected",
+    "node_exited",
+)
 
-    recorder.wrap(distributor, "prepare", "pickle")
-    recorder.wrap(spark_support, "check_barrier_conf", "spark conf check")
-    recorder.wrap(spark_support, "wait_for_slots", "spark slot check")
-    recorder.wrap(spark_support, "probe_executors", "spark probe job")
-    recorder.wrap(channel.ChannelServer, "__init__", "channel server start")
-    recorder.wrap(launchers.LocalLauncher, "__init__", "launcher start")
-    recorder.wrap(launchers.BarrierLauncher, "__init__", "launcher start")
-    recorder.wrap(launchers.BarrierLauncher, "_run_job", "spark barrier job")
-    recorder.wrap(distributor._Run, "_supervise", "supervise")
-    recorder.wrap(channel.ChannelServer, "drain", "drain")
-    recorder.wrap(channel.ChannelServer, "close", "channel close")
-    recorder.wrap(launchers.LocalLauncher, "teardown", "teardown")
-    recorder.wrap(launchers.BarrierLauncher, "finish", "teardown")
 
-    on_hello = collector.RunCollector.on_hello
-    on_frame = collector.RunCollector.on_frame
+def event_recorder(recorder: Recorder) -> Callable[[Any], None]:
+    """An ``on_event`` hook that marks every phase event of a run of ours."""
 
-    def hello(self: Any, peer: Any) -> None:
-        recorder.mark(
-            f"hello {peer.hello.get('role')} {peer.hello.get('rank', peer.hello.get('node'))}"
-        )
-        on_hello(self, peer)
+    def on_event(event: Any) -> None:
+        where = event.rank if event.rank is not None else event.node
+        label = event.name if where is None else f"{event.name} {where}"
+        recorder.mark(label, event.time)
 
-    def frame(self: Any, peer: Any, kind: int, payload: bytes) -> None:
-        if kind == channel.RESULT_END:
-            recorder.mark("result arrived")
-        elif kind == channel.EXIT:
-            recorder.mark(
-                f"exit {peer.hello.get('role')} {peer.hello.get('rank', peer.hello.get('node'))}"
-            )
-        on_frame(self, peer, kind, payload)
-
-    recorder.replace(collector.RunCollector, "on_hello", hello)
-    recorder.replace(collector.RunCollector, "on_frame", frame)
+    return on_event
 
 
 def _find(
@@ -238,32 +221,22 @@ def one_breakdown(launchers: Launchers, name: str) -> dict[str, Any]:
     recorder = Recorder()
     try:
         if name.startswith("ours"):
-            instrument_ours(recorder)
+            launchers.on_event = event_recorder(recorder)
         run = launchers.build(name, timings_dir)
-        with recorder.active():
-            started = time.time()
-            value = run()
-            ended = time.time()
+        started = time.time()
+        value = run()
+        ended = time.time()
         extra = check_value(name, value)
         records = [
             json.loads(path.read_text()) for path in sorted(Path(timings_dir).glob("rank*.json"))
         ]
     finally:
+        launchers.on_event = None
         shutil.rmtree(timings_dir, ignore_errors=True)
     events = {k: v - started for k, v in rank_events(records).items()}
-    for label, start, end in recorder.events:
-        events.setdefault(f"{label} start", start - started)
-        events.setdefault(f"{label} end", end - started)
     for label, when in recorder.marks:
         events.setdefault(label, when - started)
-    # The latest hello / exit of each role is the one on the critical path.
-    for prefix in (
-        "hello supervisor",
-        "hello worker",
-        "exit supervisor",
-        "hello node",
-        "exit node",
-    ):
+    for prefix in PER_PEER_EVENTS:
         found = [when - started for label, when in recorder.marks if label.startswith(prefix)]
         if found:
             events[f"{prefix} (last)"] = max(found)
@@ -294,45 +267,49 @@ CHECKPOINTS: dict[str, list[tuple[str, str, str]]] = {
         ("returned", "ranks exit, torchrun notices and exits, subprocess returns", MEASURED),
     ],
     "ours_local": [
-        ("pickle end", "driver: pickle the function / read the script", MEASURED),
-        ("launcher start end", "driver: channel, payload file, start the agent (Popen)", MEASURED),
+        (
+            "payload_packed",
+            "driver: build the job (pickle the function / read the script)",
+            MEASURED,
+        ),
+        ("channel_open", "driver: open the channel", MEASURED),
+        ("launcher_started", "driver: plan, payload file, start the agent (Popen)", MEASURED),
         ("agent process start", "exec of the agent process", PROC),
         (
             "rank supervisor start",
             "torchrun agent: interpreter, import torch, rendezvous, fork",
             PROC,
         ),
-        ("hello supervisor (last)", "supervisor: channel hello", MEASURED),
+        ("supervisor_connected (last)", "supervisor: channel hello", MEASURED),
         ("rank process start", "supervisor: fork the rank process", PROC),
-        ("hello worker (last)", "rank: channel hello", MEASURED),
+        ("worker_connected (last)", "rank: channel hello", MEASURED),
         *_RANK_STEPS,
-        ("result arrived", "rank 0: pickle and send the result", MEASURED),
+        ("result_received", "rank 0: pickle and send the result", MEASURED),
+        ("rank_exited (last)", "ranks exit, supervisors report", MEASURED),
+        ("finishing", "torchrun agent notices the exits and exits", POLLED),
+        ("drained", "driver: drain the channel", MEASURED),
         (
-            "exit supervisor (last)",
-            "ranks exit, supervisors report",
-            MEASURED,
-        ),
-        ("supervise end", "torchrun agent notices the exits and exits", POLLED),
-        ("drain end", "driver: drain the channel", MEASURED),
-        ("channel close end", "driver: unpickle the value, close the channel", MEASURED),
-        (
-            "teardown end",
-            "driver: teardown (process tree, marked-process sweep, workdir)",
+            "launcher_finished",
+            "driver: unpickle, close the channel, teardown (process tree, sweep, workdir)",
             MEASURED,
         ),
         ("returned", "driver: build the RunResult", MEASURED),
     ],
     "ours_barrier": [
-        ("pickle end", "driver: pickle the function / read the script", MEASURED),
-        ("spark slot check end", "driver: Spark conf and slot checks", MEASURED),
         (
-            "spark probe job end",
+            "payload_packed",
+            "driver: build the job (pickle the function / read the script)",
+            MEASURED,
+        ),
+        ("slots_ready", "driver: Spark conf and slot checks", MEASURED),
+        (
+            "executors_checked",
             "driver: Spark preflight probe job (executors' Python, imports)",
             MEASURED,
         ),
-        ("launcher start end", "driver: channel, submit the barrier job", MEASURED),
+        ("launcher_started", "driver: channel, plan, submit the barrier job", MEASURED),
         (
-            "hello node (last)",
+            "node_connected (last)",
             "Spark: barrier tasks start, hello; task 0 hosts the store, port via the driver",
             MEASURED,
         ),
@@ -342,26 +319,21 @@ CHECKPOINTS: dict[str, list[tuple[str, str, str]]] = {
             "torchrun agent: interpreter, import torch, rendezvous, fork",
             PROC,
         ),
-        ("hello supervisor (last)", "supervisor: channel hello", MEASURED),
+        ("supervisor_connected (last)", "supervisor: channel hello", MEASURED),
         ("rank process start", "supervisor: fork the rank process", PROC),
-        ("hello worker (last)", "rank: channel hello", MEASURED),
+        ("worker_connected (last)", "rank: channel hello", MEASURED),
         *_RANK_STEPS,
-        ("result arrived", "rank 0: pickle and send the result", MEASURED),
+        ("result_received", "rank 0: pickle and send the result", MEASURED),
+        ("rank_exited (last)", "ranks exit, supervisors report", MEASURED),
+        ("node_exited (last)", "torchrun agents notice the exits, exit barrier, exit", MEASURED),
         (
-            "exit supervisor (last)",
-            "ranks exit, supervisors report",
-            MEASURED,
+            "finishing",
+            "driver releases the store; task 0 ends, the Spark job completes (polled)",
+            POLLED,
         ),
-        ("exit node (last)", "torchrun agents notice the exits, exit barrier, exit", MEASURED),
-        (
-            "spark barrier job end",
-            "task 0 waits for the driver's close (store kept), Spark job completes",
-            MEASURED,
-        ),
-        ("supervise end", "driver notices the job's end", POLLED),
-        ("drain end", "driver: drain the channel", MEASURED),
-        ("channel close end", "driver: unpickle the value, close the channel", MEASURED),
-        ("returned", "driver: wait for the job's end, build the RunResult", MEASURED),
+        ("drained", "driver: drain the channel", MEASURED),
+        ("launcher_finished", "driver: unpickle, close, wait for the job's end", MEASURED),
+        ("returned", "driver: build the RunResult", MEASURED),
     ],
     "pyspark_local": [
         ("pyspark wrapper start", "pyspark: pickle to a file, start its wrapper process", PROC),
