@@ -52,9 +52,7 @@ def prepare_data(registry: str, seed: int) -> str:
 def evaluate(state_dict: dict[str, Any], data_path: str) -> dict[str, float]:
     """Test accuracy and loss of the trained weights on the held-out split."""
     metrics = pipeline.evaluate(state_dict, data_path)
-    get_run_logger().info(
-        "test accuracy %.4f, loss %.4f", metrics["accuracy"], metrics["loss"]
-    )
+    get_run_logger().info("test accuracy %.4f, loss %.4f", metrics["accuracy"], metrics["loss"])
     return metrics
 
 
