@@ -83,6 +83,10 @@ print('imports ok; pyspark present:', __import__('importlib').util.find_spec('py
     | tee "$out/pytest_gpu.log"
   rc=$(( rc | ${PIPESTATUS[0]} ))
 
+  if [ -n "${SKIP_BENCH:-}" ]; then  # SKIP_BENCH=1: the GPU tests only (a quick re-check)
+    echo "== done (exit $rc); results in $out"
+    exit "$rc"
+  fi
   echo "== 2. launch and throughput: ours vs bare torchrun"
   timeout 360 "$python" benchmarks/gpu/gpu_bench.py --out "$out" --repeats "${REPEATS:-3}" 2>&1 \
     | tee "$out/gpu_bench.log"

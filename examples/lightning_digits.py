@@ -156,6 +156,8 @@ def train(
     trainer.fit(module, loader)
     # Every rank's weights after the fit, to show DDP kept them identical.
     flat = torch.nn.utils.parameters_to_vector(module.parameters()).detach()
+    if use_cuda:  # Lightning moved the module back to the CPU; NCCL gathers CUDA tensors only
+        flat = flat.to(torch.device("cuda", int(os.environ["LOCAL_RANK"])))
     rank_weights = [torch.empty_like(flat) for _ in range(trainer.world_size)]
     torch.distributed.all_gather(rank_weights, flat)
     with torch.no_grad():

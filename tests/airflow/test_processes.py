@@ -111,7 +111,9 @@ def test_sigterm_to_the_task_process_cancels_the_run(airflow_db: Path) -> None:
             command.kill()
     output = command.output
     assert code != 0, output[-5000:]
-    assert "TorchTrainingError: training cancelled: cancel() was called" in output, output[-5000:]
+    assert (
+        "TorchTrainingError: training cancelled: the Airflow task was killed (on_kill)" in output
+    ), output[-5000:]
     assert wait_until_gone(run_id[1], timeout=30) == []
 
     from airflow.models.taskinstance import TaskInstance
