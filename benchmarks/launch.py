@@ -172,7 +172,8 @@ def event_recorder(recorder: Recorder) -> Callable[[Any], None]:
 
     def on_event(event: Any) -> None:
         where = event.rank if event.rank is not None else event.node
-        label = event.name if where is None else f"{event.name} {where}"
+        per_peer = event.name in PER_PEER_EVENTS and where is not None
+        label = f"{event.name} {where}" if per_peer else event.name
         recorder.mark(label, event.time)
 
     return on_event

@@ -45,27 +45,19 @@ class TorchTrainingError(AirflowException):
 class TorchDistributorOperator(BaseOperator):
     """Run a PyTorch training function or torchrun script with sparktorch_ops.
 
-    Each rank's output goes to the task log as it arrives (``[rank N|host] line``; stdout at INFO,
-    stderr at WARNING). The return value, pushed as XCom, is a small JSON-safe summary:
-    ``value`` (rank 0's return value, or rank 0's stdout for a script) when it is JSON-safe and
-    at most ``max_xcom_value_bytes`` as JSON, else ``value_uri`` / ``value_size`` /
-    ``value_format`` pointing at the copy written under ``result_location`` (read it back with
-    :func:`sparktorch_ops.airflow.load_result`); and the run's summary
-    (:meth:`~sparktorch_ops.results.RunResult.summary`): ``metrics``, ``progress``,
-    ``duration_s``, ``num_processes``, ``mode``, ``app_id``, ``ui_url``, ``run_id``,
-    ``exit_codes``, ``started_at``, ``finished_at``.
+    Rank output goes to the task log live (``[rank N|host] line``; stdout at INFO, stderr at
+    WARNING). The XCom is a JSON-safe summary: ``value`` (rank 0's value, or a script's
+    stdout) when JSON-safe and at most ``max_xcom_value_bytes``, else ``value_uri`` /
+    ``value_size`` / ``value_format`` of a copy under ``result_location`` (read it back with
+    :func:`sparktorch_ops.airflow.load_result`), plus :meth:`RunResult.summary`'s fields.
 
-    Barrier mode (``local_mode=False``) takes its Spark master from the Spark provider's ``spark``
-    connection ``conn_id`` (host = master URL). The default ``spark_default`` may be absent (then
-    ``spark.master`` from ``spark_conf``, else local Spark, ``local[*]``); any other missing
-    connection is an error, and so is a ``spark.master`` in ``spark_conf`` that contradicts the
-    connection's. A SparkContext already running in the process is reused (the settings that
-    cannot apply to it are named in the log). ``local_mode=True`` starts no Spark at all.
+    Barrier mode takes its master from the Spark provider's ``spark`` connection ``conn_id``.
+    An absent ``spark_default`` means ``spark.master`` from ``spark_conf``, else ``local[*]``;
+    another missing connection, or a ``spark.master`` that contradicts the connection's, is
+    bad input. A running SparkContext is reused. ``local_mode=True`` starts no Spark at all.
 
-    Bad input (an unknown ``conn_id``, a ``train`` that is neither callable nor an existing
-    script, a non-integer ``num_processes``, anything the core rejects) raises
-    ``AirflowFailException`` before anything starts: no retry. Failed, timed-out or cancelled
-    training raises :class:`TorchTrainingError`, which Airflow retries as configured.
+    Bad input raises ``AirflowFailException`` before anything starts (no retry); failed,
+    timed-out or cancelled training raises :class:`TorchTrainingError` (retried as configured).
 
     Args:
         train: the training function (called on every rank as ``train(*train_args,
