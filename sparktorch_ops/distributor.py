@@ -66,6 +66,54 @@ def _machine_gpu_count() -> int:
     return int(torch.cuda.device_count())
 
 
+class _ConsoleOutput:
+    """Rank lines on the driver's stdout/stderr while runs without a logger are in progress.
+
+    With no ``logger=`` and no handler configured for the ``sparktorch_ops`` logger (a plain
+    script, a notebook), INFO records would be dropped; torchrun prints its ranks' output, so
+    a run does too: stdout lines to stdout, stderr lines (WARNING) to stderr. A configured
+    handler (or one anywhere up the logger tree) takes over.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved_level = logging.NOTSET
+        self._handlers: list[logging.Handler] = []
+
+    def acquire(self) -> bool:
+        """Attach the handlers if nothing handles our logger; True when this call uses them."""
+        with self._lock:
+            if self._users == 0:
+                if _default_logger.hasHandlers():
+                    return False
+                out = logging.StreamHandler(sys.stdout)
+                out.addFilter(lambda record: record.levelno < logging.WARNING)
+                err = logging.StreamHandler(sys.stderr)
+                err.setLevel(logging.WARNING)
+                self._handlers = [out, err]
+                for handler in self._handlers:
+                    handler.setFormatter(logging.Formatter("%(message)s"))
+                    _default_logger.addHandler(handler)
+                self._saved_level = _default_logger.level
+                _default_logger.setLevel(logging.INFO)
+            self._users += 1
+            return True
+
+    def release(self) -> None:
+        """Detach the handlers once the last run that uses them is over."""
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                for handler in self._handlers:
+                    _default_logger.removeHandler(handler)
+                self._handlers = []
+                _default_logger.setLevel(self._saved_level)
+
+
+_console = _ConsoleOutput()
+
+
 def _new_run_id() -> str:
     return f"sparktorch-{uuid.uuid4().hex[:16]}"
 
@@ -295,6 +343,7 @@ class _Run:
         return self.outcome
 
     def _drive(self) -> None:
+        console = self.spec.logger is None and _console.acquire()
         try:
             self.outcome = self._prepare_and_launch()
             final = RunState.SUCCEEDED
@@ -302,6 +351,8 @@ class _Run:
             self.outcome = exc
             final = _final_state(exc)
         finally:
+            if console:
+                _console.release()
             self.done = True  # the caller may return now; the final event follows at once
         self.machine.finish(final)
 

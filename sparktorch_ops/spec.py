@@ -9,7 +9,7 @@ import datetime
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from sparktorch_ops.errors import ConfigError
 
@@ -113,11 +113,37 @@ def _check_env(env: Mapping[str, str] | None) -> dict[str, str]:
             )
         if not isinstance(value, str):
             raise ConfigError("env", f"the value of {key} must be a str, got {value!r}")
+        if "\x00" in value:
+            raise ConfigError("env", f"the value of {key} contains a NUL byte")
         checked[key] = value
     return checked
 
 
+_SCRIPT_SLOT = "<sparktorch_ops: the entry point>"
+
+
+class _Unset:
+    """The default of every owned torchrun option while the user's arguments are parsed."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+def _torchrun_parser_error(message: str) -> NoReturn:
+    raise ConfigError(
+        "torchrun_args", f"torchrun cannot parse them ({message}); give options with their values"
+    )
+
+
 def _check_torchrun_args(args: Iterable[str] | None) -> tuple[str, ...]:
+    """Check the user's torchrun options with torchrun's own parser.
+
+    torchrun's parser takes abbreviations (``--nnode=3``) and the last value wins, so a plain
+    name check is not enough: every item is parsed as torchrun would parse it, and one that
+    resolves to an option the distributor owns, a positional (it would replace our entry
+    point), or an option without its value is a ConfigError naming it. The parser (and torch)
+    is imported only when there are arguments to check.
+    """
     if args is None:
         return ()
     if isinstance(args, str):
@@ -126,14 +152,39 @@ def _check_torchrun_args(args: Iterable[str] | None) -> tuple[str, ...]:
     for arg in checked:
         if not isinstance(arg, str):
             raise ConfigError("torchrun_args", f"every argument must be a str, got {arg!r}")
-        name = arg.split("=", 1)[0]
-        if name in OWNED_TORCHRUN_OPTIONS:
-            hint = " (use max_restarts=)" if "restarts" in name else ""
+        if "\x00" in arg:
+            raise ConfigError("torchrun_args", f"{arg!r} contains a NUL byte")
+    if not checked:
+        return ()
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.error = _torchrun_parser_error  # type: ignore[method-assign]
+    unset = _Unset()
+    owned = {
+        action.dest: action.option_strings
+        for action in parser._actions
+        if set(action.option_strings) & set(OWNED_TORCHRUN_OPTIONS)
+    }
+    parser.set_defaults(**dict.fromkeys(owned, unset))
+    try:
+        parsed = parser.parse_args([*checked, _SCRIPT_SLOT])
+    except SystemExit:  # argparse exits on some errors despite error(); never ours to exit
+        _torchrun_parser_error("invalid arguments")
+    for dest, option_strings in owned.items():
+        if getattr(parsed, dest) is not unset:
+            hint = " (use max_restarts=)" if dest == "max_restarts" else ""
             raise ConfigError(
                 "torchrun_args",
-                f"{name} is set by the distributor from num_processes, local_mode and the "
-                f"cluster; remove it{hint}",
+                f"{checked} set {option_strings[0]}, which the distributor sets from "
+                f"num_processes, local_mode and the cluster; remove it{hint}",
             )
+    if parsed.training_script != _SCRIPT_SLOT or parsed.training_script_args:
+        raise ConfigError(
+            "torchrun_args",
+            f"{checked} holds a positional argument or an option missing its value; "
+            "torchrun_args takes torchrun options only (the entry point is the distributor's)",
+        )
     return checked
 
 

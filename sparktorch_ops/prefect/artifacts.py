@@ -32,7 +32,7 @@ from prefect.artifacts import (
 
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.outcome import outcome_of
-from sparktorch_ops.results import MetricRecord
+from sparktorch_ops.results import MetricRecord, RunResult
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -138,6 +138,14 @@ class RunSummary:
     app_id: str | None = None
     ui_url: str | None = None
     error: str | None = None
+
+    def complete(self, result: RunResult, where: str) -> None:
+        """Fill in a completed run: its duration, metrics, result line, ids and link."""
+        self.status = "completed"
+        self.duration_s = result.duration.total_seconds()
+        self.final_metrics = result.final_metrics(0)
+        self.result = where
+        self.run_id, self.app_id, self.ui_url = result.run_id, result.app_id, result.ui_url
 
     def markdown(self) -> str:
         """The summary as markdown."""

@@ -218,13 +218,7 @@ def run_torch_distributor(
                 recorder.close()
         raise
 
-    summary.status = "completed"
-    summary.duration_s = result.duration.total_seconds()
-    summary.final_metrics = result.final_metrics(0)
-    summary.result = result_location(ctx, result.value)
-    summary.run_id = result.run_id
-    summary.app_id = result.app_id
-    summary.ui_url = result.ui_url
+    summary.complete(result, result_location(ctx, result.value))
     if recorder is not None:
         recorder.finish(summary, completed=True, session_created=session.get("created"))
     logger.info(

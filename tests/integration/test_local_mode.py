@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -353,3 +354,39 @@ def test_a_256_mib_value_from_rank_0_arrives_whole() -> None:
     import torch
 
     assert int(value.sum(dtype=torch.int64)) == (64 << 20) * ((64 << 20) - 1) // 2
+
+
+PLAIN_SCRIPT = """
+import logging, sys
+from sparktorch_ops import TorchDistributor
+if sys.argv[1] == "configured":
+    logging.basicConfig(filename=sys.argv[2], level=logging.INFO, format="%(message)s")
+def fn():
+    import os, sys
+    print("hello from rank", os.environ["RANK"])
+    print("warn from rank", os.environ["RANK"], file=sys.stderr)
+    return 7
+print("value", TorchDistributor(2, True, False).run(fn))
+"""
+
+
+def test_a_plain_script_shows_rank_output_unless_logging_is_configured(tmp_path: Path) -> None:
+    """No logger and no handler: rank lines on stdout/stderr, as torchrun prints them."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_SCRIPT)
+    log_file = tmp_path / "run.log"
+    plain = subprocess.run(
+        [sys.executable, str(script), "plain", str(log_file)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    assert "[rank 0|" in plain.stdout and "hello from rank 1" in plain.stdout
+    assert "value 7" in plain.stdout
+    assert "warn from rank 0" in plain.stderr and "warn from rank" not in plain.stdout
+    configured = subprocess.run(
+        [sys.executable, str(script), "configured", str(log_file)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert configured.returncode == 0, configured.stderr
+    assert "hello from rank" not in configured.stdout + configured.stderr
+    assert "hello from rank 1" in log_file.read_text()

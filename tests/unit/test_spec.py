@@ -80,3 +80,42 @@ def test_any_logger_with_a_log_method_is_accepted() -> None:
             pass
 
     assert isinstance(LaunchSpec(logger=StructlogLike()).logger, StructlogLike)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--nnode=3"],
+        ["--rdzv-endp=evil:29400"],
+        ["--master-add=10.0.0.9"],
+        ["--max-restart=9"],
+        ["--nproc_per_node", "2"],
+        ["--local-ad=x"],
+        ["--no-pyth"],
+        ["--standalone"],
+        ["evil.py"],
+        ["--log-dir"],
+        ["--monitor-interval=1", "extra"],
+        ["--bogus-option"],
+    ],
+)
+def test_torchrun_args_are_read_by_torchruns_own_parser(args: list[str]) -> None:
+    """Abbreviations, positionals and options without values cannot take over the launch."""
+    with pytest.raises(ConfigError) as info:
+        LaunchSpec(torchrun_args=args)
+    assert info.value.argument == "torchrun_args"
+
+
+def test_torchrun_options_we_do_not_own_pass() -> None:
+    args = ("--monitor-interval=1", "--start-method=spawn", "--log-dir", "/tmp/logs")
+    assert LaunchSpec(torchrun_args=args).torchrun_args == args
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [({"env": {"A": "x\x00y"}}, "env"), ({"torchrun_args": ["--log-dir=/t\x00"]}, "torchrun_args")],
+)
+def test_nul_bytes_are_config_errors_before_anything_starts(kwargs: dict, argument: str) -> None:
+    with pytest.raises(ConfigError, match="NUL") as info:
+        LaunchSpec(**kwargs)
+    assert info.value.argument == argument
