@@ -203,6 +203,8 @@ class ChannelServer:
         try:
             self._read(conn_id)
         except Exception as exc:
+            if not isinstance(exc, MessageError):  # not a bad frame: a bug worth a traceback
+                self._log.warning("sparktorch_ops channel: handling a frame failed", exc_info=True)
             conn = self._connections.get(conn_id)
             if conn is not None:
                 self._reject(conn, f"sent what could not be handled ({type(exc).__name__}: {exc})")

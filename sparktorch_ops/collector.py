@@ -388,11 +388,13 @@ class RunCollector(channel.ChannelHandler):
 
     def started_ranks(self) -> int:
         """How many ranks have connected so far."""
-        return sum(1 for rank in self.ranks if rank >= 0)
+        # A copy: the channel thread adds ranks while the run's thread polls (list() of a
+        # dict's items is taken whole under the GIL).
+        return sum(1 for rank, _ in list(self.ranks.items()) if rank >= 0)
 
     def supervisors_done(self, num_processes: int) -> bool:
         """Every rank of the current attempt reported its exit and every rank client hung up."""
-        exited = sum(1 for r, s in self.ranks.items() if r >= 0 and s.exited)
+        exited = sum(1 for r, s in list(self.ranks.items()) if r >= 0 and s.exited)
         with self._lock:
             ranks_open = any(h.role != "node" for h in self.open_peers.values())
         return exited >= num_processes and not ranks_open

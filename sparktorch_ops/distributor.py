@@ -29,6 +29,7 @@ from sparktorch_ops.channel import ChannelServer
 from sparktorch_ops.collector import RunCollector
 from sparktorch_ops.errors import (
     ChannelError,
+    ConfigError,
     SparkTorchError,
     StartTimeoutError,
     TrainingCancelledError,
@@ -287,11 +288,16 @@ def plan_job(job: TrainingJob) -> RunPlan:
     spec = job.options
     task_cpus, gpu_amount = 1, None
     if not spec.local_mode:
-        # From the job's Spark settings (a dry run starts no session); Spark's defaults else.
-        conf = dict(job.spark.conf)
-        task_cpus = int(conf.get("spark.task.cpus", "1"))
-        amount = conf.get("spark.task.resource.gpu.amount")
-        gpu_amount = float(amount) if amount is not None else None
+        # From the job's session when it has one (read, not started), else from its conf;
+        # Spark's defaults otherwise.
+        session = job.spark.session
+        if session is not None:
+            task_cpus = spark_support.task_cpus(session.sparkContext)
+            gpu_amount = spark_support.task_gpu_amount(session.sparkContext)
+        else:
+            conf = dict(job.spark.conf)
+            task_cpus = _conf_number(conf, "spark.task.cpus", int) or 1
+            gpu_amount = _conf_number(conf, "spark.task.resource.gpu.amount", float)
     facts = RunFacts(
         run_id=_new_run_id(),
         python=sys.executable,
@@ -300,6 +306,16 @@ def plan_job(job: TrainingJob) -> RunPlan:
         task_gpu_amount=gpu_amount,
     )
     return plan_run(spec, describe(job.payload), facts)
+
+
+def _conf_number(conf: dict[str, str], key: str, kind: Callable[[str], Any]) -> Any:
+    value = conf.get(key)
+    if value is None:
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError("spark_conf", f"{key} is not a number: {value!r}") from None
 
 
 class _Run:
@@ -353,8 +369,10 @@ class _Run:
         finally:
             if console:
                 _console.release()
-            self.done = True  # the caller may return now; the final event follows at once
-        self.machine.finish(final)
+        try:
+            self.machine.finish(final)  # the final event reaches on_event before run() returns
+        finally:
+            self.done = True
 
     def _check_cancelled(self) -> None:
         reason = self.job.cancel_token.reason
@@ -389,7 +407,10 @@ class _Run:
             self._preflight(sc)
             return self._launch(started_at, started, sc, None)
         finally:
-            spark_support.stop_session(handle)
+            try:
+                spark_support.stop_session(handle)
+            except Exception:  # must not hide the run's own outcome
+                self.log.warning("sparktorch_ops: could not stop Spark", exc_info=True)
 
     def _local_gpus(self) -> tuple[str, ...] | None:
         spec = self.spec
@@ -513,10 +534,9 @@ class _Run:
         self.machine.emit(name, **where)
         if (
             name == events.SUPERVISOR_CONNECTED
-            and self.machine.state is RunState.STARTING
             and collector.started_ranks() >= self.spec.num_processes
         ):
-            self.machine.to(RunState.RUNNING)
+            self.machine.advance(RunState.STARTING, RunState.RUNNING)
 
     def _supervise(
         self,

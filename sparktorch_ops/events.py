@@ -40,7 +40,6 @@ _FINAL = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.TIMED_OUT, Run
 _NEXT: dict[RunState, frozenset[RunState]] = {
     RunState.PENDING: frozenset({RunState.PREPARING}),
     RunState.PREPARING: frozenset({RunState.STARTING}),
-    RunState.PREPARING: frozenset({RunState.STARTING}),
     RunState.STARTING: frozenset({RunState.RUNNING, RunState.FINISHING}),
     RunState.RUNNING: frozenset({RunState.FINISHING}),
     RunState.FINISHING: _FINAL,
@@ -124,6 +123,18 @@ class RunStateMachine:
                 raise InvalidTransition(f"{self.state.value} -> {state.value}")
             self.state = state
             self.emit(state.value, **detail)
+
+    def advance(self, expected: RunState, state: RunState, **detail: Any) -> bool:
+        """Move to ``state`` only if the run is still in ``expected`` (checked atomically).
+
+        For moves made from another thread than the run's own (a rank connecting), which must
+        not fight a transition the run's thread made in between. Returns whether it moved.
+        """
+        with self._lock:
+            if self.state is not expected:
+                return False
+            self.to(state, **detail)
+            return True
 
     def finish(self, state: RunState, **detail: Any) -> None:
         """End the run in a final state, passing through FINISHING from wherever it is."""

@@ -48,7 +48,7 @@ class CancelToken:
         return self._reason is not None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TrainingJob:
     """One training job, validated and packed.
 
@@ -88,15 +88,18 @@ class TrainingJob:
 
 
 def coerce_int(argument: str, value: object) -> object:
-    """A rendered template's integer (``"2"``, ``" 2 "``, ``2.0``) as an int; else unchanged.
+    """A rendered template's integer (``"2"``, ``" 2 "``, ``2.0``) as an int.
 
-    Values that are not integers are left for the job's own validation to reject by name.
+    A string that is not an integer is a ConfigError here; other types are left for the
+    job's own validation to reject by name.
     """
     if isinstance(value, str):
-        text = value.strip()
-        if text.lstrip("+-").isdigit():
-            return int(text)
-        raise ConfigError(argument, f"must be an integer after templating, got {value!r}")
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise ConfigError(
+                argument, f"must be an integer after templating, got {value!r}"
+            ) from None
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value
@@ -136,8 +139,11 @@ def build_job(
         if name in options:
             options[name] = coerce_int(name, options[name])
     env = options.get("env")
-    if isinstance(env, Mapping):
-        options["env"] = {str(k): v if isinstance(v, str) else str(v) for k, v in env.items()}
+    if isinstance(env, Mapping):  # rendered numbers become strings; None stays an error
+        options["env"] = {
+            str(k): str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+            for k, v in env.items()
+        }
     unknown = sorted(set(options) - {f.name for f in fields(LaunchSpec)})
     if unknown:
         raise ConfigError(unknown[0], f"is not an option of a training job (options: {_OPTIONS})")

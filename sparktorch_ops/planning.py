@@ -366,8 +366,9 @@ class NodePlan:
             return text
 
         env = self.env(base_env, run_id=run_id, channel=channel, token=token, payload=PAYLOAD_PATH)
-        ours = set(env) - set(base_env) | set(self.user_env) | {"CUDA_VISIBLE_DEVICES"}
-        filled = {k: fill(v) if k in ours else v for k, v in env.items()}
+        # Every value this plan wrote (over the node's own, which are left as they are).
+        ours = self.env({}, run_id=run_id, channel=channel, token=token, payload=PAYLOAD_PATH)
+        filled = {k: fill(v) if ours.get(k) == v else v for k, v in env.items()}
         filled[LAUNCHER_PID_ENV] = str(launcher_pid)
         return AgentPlan(tuple(fill(a) for a in self.argv), filled)
 

@@ -106,3 +106,27 @@ def test_one_outcome_mapping_for_every_wrapper() -> None:
     failed = outcome_of(TrainingFailedError([failure]))
     assert (failed.rank, failed.host) == (1, "h1") and "Traceback" in failed.tail
     assert failed.headline.startswith("training failed: rank 1 failed first")
+
+
+@pytest.mark.parametrize("value", ["+-2", "²", "2.5", ""])
+def test_templated_integers_that_are_not_integers_are_config_errors(value: str) -> None:
+    with pytest.raises(ConfigError, match="num_processes"):
+        build_job(train=train, num_processes=value, use_gpu=False)
+
+
+def test_an_env_value_of_none_is_refused_not_stringified() -> None:
+    with pytest.raises(ConfigError, match="env"):
+        build_job(train=train, use_gpu=False, env={"A": None})
+
+
+def test_dry_run_reads_spark_numbers_from_the_conf_and_names_a_bad_one() -> None:
+    from sparktorch_ops.distributor import plan_job
+
+    def job(conf: dict[str, str]) -> TrainingJob:
+        spec = LaunchSpec(num_processes=2, local_mode=False, use_gpu=True)
+        return TrainingJob(train, (1,), options=spec, spark=SparkSettings(conf=conf))
+
+    plan = plan_job(job({"spark.task.resource.gpu.amount": "2", "spark.task.cpus": "4"}))
+    assert (plan.layout.num_tasks, plan.nodes[0].omp_threads) == (1, 2)
+    with pytest.raises(ConfigError, match=r"spark\.task\.cpus is not a number"):
+        plan_job(job({"spark.task.cpus": "four", "spark.task.resource.gpu.amount": "1"}))

@@ -100,3 +100,12 @@ def test_a_failing_hook_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -
     machine = RunStateMachine("r", hook, logging.getLogger("sparktorch_ops.test"))
     machine.to(RunState.PREPARING)
     assert "on_event hook raised" in caplog.text
+
+
+def test_advance_moves_only_from_the_expected_state() -> None:
+    machine = RunStateMachine("r", None, logging.getLogger("t"))
+    machine.to(RunState.PREPARING)
+    machine.to(RunState.STARTING)
+    machine.to(RunState.FINISHING)  # the run's thread got there first
+    assert not machine.advance(RunState.STARTING, RunState.RUNNING)
+    assert machine.state is RunState.FINISHING

@@ -113,3 +113,14 @@ def test_dry_run_view_is_json_and_never_holds_the_secret() -> None:
     assert view["nodes"][1]["env"]["X"] == "y"
     assert PAYLOAD_PATH in view["placeholders"]
     assert json.loads(text) == view
+
+
+def test_bind_fills_placeholders_even_over_a_nested_runs_variables() -> None:
+    spec = LaunchSpec(num_processes=2, local_mode=False, use_gpu=False)
+    node = plan_run(spec, "f", FACTS).nodes[0]
+    outer = {planning.PAYLOAD_ENV: "/outer/payload.pkl", planning.NODE_HOST_ENV: "outer"}
+    agent = node.bind(
+        outer, run_id="run1", channel="d:1", token="t", payload_path="/p", launcher_pid=1,
+        host="w0", rdzv_endpoint="w0:1",
+    )  # fmt: skip
+    assert agent.env[planning.PAYLOAD_ENV] == "/p" and agent.env[planning.NODE_HOST_ENV] == "w0"
