@@ -23,22 +23,14 @@ from typing import Any
 import cloudpickle
 import pendulum
 
-from sparktorch_ops import events
+from sparktorch_ops import errors, events
 from sparktorch_ops import spark as spark_support
 from sparktorch_ops.channel import ChannelServer
 from sparktorch_ops.collector import RunCollector
-from sparktorch_ops.errors import (
-    ChannelError,
-    ConfigError,
-    SparkTorchError,
-    StartTimeoutError,
-    TrainingCancelledError,
-    TrainingFailedError,
-    TrainingTimeoutError,
-)
 from sparktorch_ops.events import RunState, RunStateMachine
 from sparktorch_ops.job import CancelToken, TrainingJob
 from sparktorch_ops.launchers import BarrierLauncher, Launcher, LocalLauncher
+from sparktorch_ops.outcome import outcome_of
 from sparktorch_ops.payload import FunctionCall, describe
 from sparktorch_ops.planning import (
     RunFacts,
@@ -315,7 +307,7 @@ def _conf_number(conf: dict[str, str], key: str, kind: Callable[[str], Any]) -> 
     try:
         return kind(value)
     except ValueError:
-        raise ConfigError("spark_conf", f"{key} is not a number: {value!r}") from None
+        raise errors.ConfigError("spark_conf", f"{key} is not a number: {value!r}") from None
 
 
 class _Run:
@@ -377,7 +369,7 @@ class _Run:
     def _check_cancelled(self) -> None:
         reason = self.job.cancel_token.reason
         if reason is not None:
-            raise TrainingCancelledError(reason)
+            raise errors.TrainingCancelledError(reason)
 
     def _prepare_and_launch(self) -> RunResult:
         spec, machine = self.spec, self.machine
@@ -500,7 +492,7 @@ class _Run:
                 server.drain(lambda: collector.supervisors_done(spec.num_processes), _DRAIN_S)
                 machine.emit(events.DRAINED)
             if code != 0 or collector.failed:
-                raise TrainingFailedError(collector.failures(), note)
+                raise errors.TrainingFailedError(collector.failures(), note)
             value = self._value(collector)
         except BaseException:
             if launcher is not None:
@@ -552,14 +544,14 @@ class _Run:
             self._check_cancelled()
             elapsed = time.monotonic() - started
             if spec.timeout is not None and elapsed > spec.timeout:
-                raise TrainingTimeoutError("timeout", spec.timeout)
+                raise errors.TrainingTimeoutError("timeout", spec.timeout)
             connected = collector.started_ranks()
             if (
                 connected < spec.num_processes
                 and spec.start_timeout is not None
                 and elapsed > spec.start_timeout
             ):
-                raise StartTimeoutError(
+                raise errors.StartTimeoutError(
                     "start_timeout",
                     spec.start_timeout,
                     f"only {connected} of {spec.num_processes} ranks started",
@@ -590,21 +582,24 @@ class _Run:
         if not isinstance(self.job.payload, FunctionCall):
             return collector.rank0_stdout()
         if collector.result is None:
-            raise ChannelError(
+            raise errors.ChannelError(
                 "rank 0 finished but its return value never arrived over the channel"
             )
         try:
             return cloudpickle.load(collector.result.reader())
         except Exception as exc:
-            raise SparkTorchError(
+            raise errors.SparkTorchError(
                 f"rank 0's return value cannot be unpickled on the driver: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
 
 
+_FINAL_STATES = {
+    "cancelled": RunState.CANCELLED,
+    "timed_out": RunState.TIMED_OUT,
+}
+
+
 def _final_state(error: BaseException) -> RunState:
-    if isinstance(error, TrainingCancelledError) or not isinstance(error, Exception):
-        return RunState.CANCELLED
-    if isinstance(error, (StartTimeoutError, TrainingTimeoutError)):
-        return RunState.TIMED_OUT
-    return RunState.FAILED
+    """The state a run that raised ``error`` ends in: the outcome mapping's, one place."""
+    return _FINAL_STATES.get(outcome_of(error).status, RunState.FAILED)
