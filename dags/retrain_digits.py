@@ -35,6 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = str(REPO / "examples")
 DEFAULT_REGISTRY = os.environ.get("SPARKTORCH_REGISTRY", str(REPO / ".state" / "registry"))
 log = logging.getLogger("airflow.task")
+# Where the operator writes the trained weights; load_result reads only from under it.
+RESULTS = "{{ params.registry }}/runs"
 
 
 def _examples() -> None:
@@ -99,28 +101,32 @@ with DAG(
         local_mode=True,
         use_gpu=False,
         # The state_dict is not JSON: it goes here and the XCom carries its URI.
-        result_location="{{ params.registry }}/runs",
+        result_location=RESULTS,
         timeout=datetime.timedelta(minutes=20),
         execution_timeout=datetime.timedelta(minutes=30),
     )
     data_path >> train
 
     @task
-    def evaluate(summary: dict[str, Any], data_path: str) -> dict[str, float]:
+    def evaluate(summary: dict[str, Any], data_path: str, results: str) -> dict[str, float]:
         """Accuracy and loss of the trained weights on the held-out split."""
         _examples()
         import pipeline
 
         from sparktorch_ops.airflow import load_result
 
-        trained = load_result(summary)
+        trained = load_result(summary, result_location=results)
         metrics: dict[str, float] = pipeline.evaluate(trained["state_dict"], data_path)
         metrics["train_loss"] = float(trained["losses"][-1])
         return metrics
 
     @task
     def publish(
-        summary: dict[str, Any], metrics: dict[str, float], registry: str, version: str
+        summary: dict[str, Any],
+        metrics: dict[str, float],
+        registry: str,
+        version: str,
+        results: str,
     ) -> dict[str, Any]:
         """Save the model as a new version; promote it only if it beats the current one."""
         _examples()
@@ -128,7 +134,7 @@ with DAG(
 
         from sparktorch_ops.airflow import load_result
 
-        trained = load_result(summary)
+        trained = load_result(summary, result_location=results)
         record: dict[str, Any] = pipeline.publish(registry, trained["state_dict"], metrics, version)
         previous = record.get("previous") or {}
         verdict = "promoted" if record["promoted"] else "kept the current model"
@@ -141,12 +147,13 @@ with DAG(
         )
         return {k: v for k, v in record.items() if k != "previous"}
 
-    metrics = evaluate(train.output, data_path)
+    metrics = evaluate(train.output, data_path, RESULTS)
     publish(
         train.output,
         metrics,
         "{{ params.registry }}",
         "{{ dag_run.run_after.strftime('%Y%m%dT%H%M%S') }}",
+        RESULTS,
     )
 
 

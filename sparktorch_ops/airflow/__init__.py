@@ -12,15 +12,31 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sparktorch_ops.airflow.links import SparkUILink
     from sparktorch_ops.airflow.operator import TorchDistributorOperator, TorchTrainingError
-    from sparktorch_ops.airflow.storage import load_result
+    from sparktorch_ops.airflow.storage import (
+        ResultExistsError,
+        ResultIntegrityError,
+        ResultStorageError,
+        load_result,
+    )
 
-__all__ = ["SparkUILink", "TorchDistributorOperator", "TorchTrainingError", "load_result"]
+__all__ = [
+    "ResultExistsError",
+    "ResultIntegrityError",
+    "ResultStorageError",
+    "SparkUILink",
+    "TorchDistributorOperator",
+    "TorchTrainingError",
+    "load_result",
+]
 
 _HOMES = {
     "SparkUILink": "sparktorch_ops.airflow.links",
     "TorchDistributorOperator": "sparktorch_ops.airflow.operator",
     "TorchTrainingError": "sparktorch_ops.airflow.operator",
     "load_result": "sparktorch_ops.airflow.storage",
+    "ResultExistsError": "sparktorch_ops.airflow.storage",
+    "ResultIntegrityError": "sparktorch_ops.airflow.storage",
+    "ResultStorageError": "sparktorch_ops.airflow.storage",
 }
 
 

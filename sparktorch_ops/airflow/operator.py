@@ -48,8 +48,9 @@ class TorchDistributorOperator(BaseOperator):
     Rank output goes to the task log live (``[rank N|host] line``; stdout at INFO, stderr at
     WARNING). The XCom is a JSON-safe summary: ``value`` (rank 0's value, or a script's
     stdout) when JSON-safe and at most ``max_xcom_value_bytes``, else ``value_uri`` /
-    ``value_size`` / ``value_format`` of a copy under ``result_location`` (read it back with
-    :func:`sparktorch_ops.airflow.load_result`), plus :meth:`RunResult.summary`'s fields.
+    ``value_size`` / ``value_format`` / ``value_sha256`` of a copy under ``result_location``
+    (read it back with :func:`sparktorch_ops.airflow.load_result`, given the same
+    ``result_location``), plus :meth:`RunResult.summary`'s fields.
 
     Barrier mode takes its master from the Spark provider's ``spark`` connection ``conn_id``.
     An absent ``spark_default`` means ``spark.master`` from ``spark_conf``, else ``local[*]``;
@@ -78,7 +79,8 @@ class TorchDistributorOperator(BaseOperator):
         log_ranks: ranks whose output goes to the task log (default: all).
         result_location: where large or non-JSON values go (templated): a directory or an
             ObjectStoragePath / fsspec URL. Default: ``[sparktorch_ops] result_location``, else
-            ``$AIRFLOW_HOME/sparktorch_ops/results``.
+            ``$AIRFLOW_HOME/sparktorch_ops/results``. Each try writes a new object there (never
+            an overwrite); ``load_result`` reads only from under it.
         max_xcom_value_bytes: the largest JSON-safe value kept inline (default:
             ``[sparktorch_ops] max_xcom_value_bytes``, else 48 KB).
         **kwargs: BaseOperator arguments (``task_id``, ``retries``, ``execution_timeout``...).

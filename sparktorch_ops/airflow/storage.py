@@ -3,25 +3,65 @@
 A value that is JSON-safe and small travels inline in the operator's XCom summary. Anything else
 (a ``state_dict``, a large text) is written to a result location (a local directory by default,
 or any ``ObjectStoragePath`` / fsspec URL: ``s3://bucket/prefix``, ``gs://...``,
-``memory://...``) and the summary holds its URI and size. Nothing is ever truncated silently.
+``memory://...``) and the summary holds its URI, size and SHA-256. Nothing is ever truncated
+silently.
 
-:func:`load_result` reads the value back from a summary (or a URI) in a downstream task.
+Each task try writes under its own key (:func:`result_key`): readable ids plus a hash of the raw
+ids, so distinct runs never share a key, and no key leaves the location. A stored value is
+created exclusively: an existing object is never overwritten (:class:`ResultExistsError`).
+
+:func:`load_result` reads the value back from a summary in a downstream task: only from under
+the result location it is given, and only after the bytes match the summary's SHA-256, so an
+XCom cannot make it unpickle an arbitrary or altered file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import math
 import os
+import posixpath
 import re
+import urllib.parse
+import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
 import cloudpickle
 
+from sparktorch_ops.errors import ConfigError, SparkTorchError
+
 DEFAULT_MAX_XCOM_VALUE_BYTES = 48 * 1024
 CONFIG_SECTION = "sparktorch_ops"
 _UNSAFE_PATH_CHARS = re.compile(r"[^A-Za-z0-9._=-]+")
+_KEY_HASH_CHARS = 16
+
+
+class ResultStorageError(SparkTorchError):
+    """A stored result could not be written or read back safely.
+
+    Attributes:
+        uri: the stored object's URI.
+        message: what went wrong and what to do.
+    """
+
+    def __init__(self, uri: str, message: str) -> None:
+        super().__init__(f"{uri}: {message}")
+        self.uri = uri
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.uri, self.message))
+
+
+class ResultExistsError(ResultStorageError, FileExistsError):
+    """The object a value was to be written to already exists; it was left as it is."""
+
+
+class ResultIntegrityError(ResultStorageError):
+    """A stored value's bytes do not match its summary's SHA-256 (or there is none to check)."""
 
 
 def default_result_location() -> str:
@@ -94,30 +134,96 @@ def _uri(path: Any) -> str:
     return str(path.as_uri())
 
 
-def result_key(dag_id: str, run_id: str, task_id: str, map_index: int, try_number: int) -> str:
-    """The relative path of one task try's result: ``dag/run/task[.map]/try-N``."""
-    task = task_id if map_index is None or map_index < 0 else f"{task_id}.{map_index}"
-    parts = [dag_id, run_id, task, f"try-{try_number}"]
-    return "/".join(_UNSAFE_PATH_CHARS.sub("_", p) or "_" for p in parts)
+def _local_path(location: str) -> str | None:
+    """The absolute local path of a plain path or ``file://`` URL; None for other schemes."""
+    if "://" not in location:
+        return os.path.abspath(location)
+    parts = urllib.parse.urlsplit(location)
+    if parts.scheme.lower() != "file" or parts.netloc not in ("", "localhost"):
+        return None
+    return os.path.abspath(urllib.request.url2pathname(parts.path))
+
+
+def _clean(part: str) -> str:
+    """A readable path component: unsafe characters become ``_``; never empty, ``.`` or ``..``."""
+    cleaned = _UNSAFE_PATH_CHARS.sub("_", part)
+    return "_" if cleaned.strip(".") == "" else cleaned
+
+
+def result_key(
+    dag_id: str, run_id: str, task_id: str, map_index: int | None, try_number: int
+) -> str:
+    """The relative path of one task try's result: ``dag/run/task[.map]~hash/try-N``.
+
+    The ids are cleaned to safe, readable path components (never ``.``, ``..`` or empty);
+    ``hash`` (16 hex characters of a SHA-256 of the raw ids) keeps ids that clean to the same text
+    (``T00:00:00+00:00`` and ``T00_00_00_00_00``) apart. All tries of a task share the
+    ``task~hash`` directory; each try has its own key, so a retry never meets an earlier try's
+    value.
+    """
+    index = -1 if map_index is None or map_index < 0 else int(map_index)
+    raw = json.dumps([dag_id, run_id, task_id, index], ensure_ascii=True)
+    digest = hashlib.sha256(raw.encode("ascii")).hexdigest()[:_KEY_HASH_CHARS]
+    task = _clean(task_id) if index < 0 else f"{_clean(task_id)}.{index}"
+    return "/".join([_clean(dag_id), _clean(run_id), f"{task}~{digest}", f"try-{int(try_number)}"])
+
+
+def _check_key(key: str) -> None:
+    parts = key.split("/")
+    if "\\" in key or any(part in ("", ".", "..") for part in parts):
+        raise ConfigError(
+            "key",
+            f"{key!r} is not a relative path of plain components (no empty, '.' or '..' parts, "
+            "no backslashes): it could leave the result location; build it with result_key()",
+        )
 
 
 def store_value(value: Any, location: str, key: str) -> dict[str, Any]:
     """Write ``value`` under ``location/key``; return the summary fields that point at it.
 
     Text is written as UTF-8 (``result.txt``), anything else with cloudpickle (``result.pkl``).
+    The object is created exclusively (mode ``"xb"``): an existing one is never overwritten.
 
     Returns:
-        ``{"value_uri", "value_size", "value_format"}``.
+        ``{"value_uri", "value_size", "value_format", "value_sha256"}``.
+
+    Raises:
+        ConfigError: ``key`` has an empty, ``.`` or ``..`` component.
+        ResultExistsError: something is already stored under ``location/key``.
     """
+    _check_key(key)
     if isinstance(value, str):
         data, name, fmt = value.encode("utf-8"), "result.txt", "text"
     else:
         data, name, fmt = cloudpickle.dumps(value), "result.pkl", "pickle"
     target = _path(location) / key / name
+    uri = _uri(target)
+    exists = ResultExistsError(
+        uri,
+        "a value is already stored here and was left as it is; every task try writes its own "
+        "key, so this is another writer or a reused result_location: use a fresh one",
+    )
     target.parent.mkdir(parents=True, exist_ok=True)
-    with target.open("wb") as handle:
-        handle.write(data)
-    return {"value_uri": _uri(target), "value_size": len(data), "value_format": fmt}
+    if target.exists():  # also for backends whose "xb" is not exclusive
+        raise exists
+    try:
+        handle = target.open("xb")
+    except FileExistsError as exc:
+        raise exists from exc
+    try:
+        with handle:
+            handle.write(data)
+    except BaseException:
+        # Ours (created above), and incomplete: remove it so it cannot pass for a value.
+        with contextlib.suppress(Exception):  # the write's own error is the one to report
+            target.unlink()
+        raise
+    return {
+        "value_uri": uri,
+        "value_size": len(data),
+        "value_format": fmt,
+        "value_sha256": hashlib.sha256(data).hexdigest(),
+    }
 
 
 def value_fields(
@@ -138,25 +244,111 @@ def value_fields(
     return {**store_value(value, location, key), "value_stored_because": problem}
 
 
-def load_result(summary: Mapping[str, Any] | str) -> Any:
+def _relative_to_location(uri: str, location: str) -> str | None:
+    """``uri`` below ``location`` as a local path (or the URI itself), None when outside it."""
+    local_base, local_target = _local_path(location), _local_path(uri)
+    if local_base is not None or local_target is not None:
+        if local_base is None or local_target is None:
+            return None
+        # realpath: neither ``..`` nor a symlink inside the location leads out of it.
+        base, target = os.path.realpath(local_base), os.path.realpath(local_target)
+        if target == base or os.path.commonpath([base, target]) != base:
+            return None
+        return target
+    target_parts = urllib.parse.urlsplit(uri)
+    if target_parts.query or target_parts.fragment:
+        return None
+    parts = target_parts.path.split("/")[1:]
+    if any(p in ("", ".", "..") or urllib.parse.unquote(p) in (".", "..") for p in parts):
+        return None
+    target_path = posixpath.normpath(target_parts.path)
+    bases = {location}
+    with contextlib.suppress(Exception):  # as store_value wrote it, where the scheme is known
+        bases.add(_uri(_path(location)))
+    for base_uri in bases:
+        base_parts = urllib.parse.urlsplit(base_uri)
+        base_path = base_parts.path.rstrip("/")
+        if (
+            (base_parts.scheme.lower(), base_parts.netloc)
+            == (target_parts.scheme.lower(), target_parts.netloc)
+            and target_path.startswith(f"{base_path}/")
+            and target_path != base_path
+        ):
+            return uri
+    return None
+
+
+def load_result(
+    summary: Mapping[str, Any] | str,
+    *,
+    result_location: str | None = None,
+    sha256: str | None = None,
+) -> Any:
     """Rank 0's value from an operator's XCom summary (or from a stored value's URI).
+
+    A stored value is read only from under ``result_location`` and only used once its bytes match
+    the SHA-256 the operator recorded: nothing outside the location is read, and a pickle that
+    was altered (or has no digest to check) is never unpickled.
 
     Args:
         summary: the ``TorchDistributorOperator`` XCom, or a ``value_uri`` from it.
+        result_location: the ``result_location`` of the operator that wrote the value (rendered).
+            Default: ``[sparktorch_ops] result_location``, else under ``AIRFLOW_HOME``, the
+            operator's own default.
+        sha256: the expected SHA-256 (hex) when ``summary`` is a URI; a summary carries its own
+            (``value_sha256``). Required to read a pickle by URI.
 
     Returns:
         The inline ``value``, or the stored one read back (text or unpickled).
+
+    Raises:
+        ConfigError: the URI is not under ``result_location`` (argument ``result_location``).
+        ResultIntegrityError: the bytes do not match the SHA-256 (or size) recorded for them, or
+            a pickle has no SHA-256 to check.
     """
     if isinstance(summary, Mapping):
         if "value_uri" not in summary:
             return summary.get("value")
         uri = str(summary["value_uri"])
         fmt = str(summary.get("value_format", "pickle"))
+        expected = summary.get("value_sha256")
+        size = summary.get("value_size")
     else:
         uri = str(summary)
         fmt = "text" if uri.endswith(".txt") else "pickle"
-    with _path(uri).open("rb") as handle:
-        data = handle.read()
+        expected, size = sha256, None
+    location = str(result_location or default_result_location())
+    inside = _relative_to_location(uri, location)
+    if inside is None:
+        raise ConfigError(
+            "result_location",
+            f"{uri} is not under the result location {location!r}: nothing was read. Pass "
+            "result_location= with the (rendered) result_location of the operator that wrote it",
+        )
+    if expected is None and fmt != "text":
+        raise ResultIntegrityError(
+            uri,
+            "no SHA-256 to check the stored pickle against, so it was not unpickled; pass the "
+            "operator's XCom summary (it holds value_sha256), or sha256= with a URI",
+        )
+    if "://" in inside:
+        with _path(inside).open("rb") as handle:
+            data = handle.read()
+    else:
+        with open(inside, "rb") as handle:
+            data = handle.read()
+    if size is not None and len(data) != int(size):
+        raise ResultIntegrityError(
+            uri, f"{len(data)} bytes stored, {int(size)} recorded: the value was not used"
+        )
+    if expected is not None:
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != str(expected).lower():
+            raise ResultIntegrityError(
+                uri,
+                f"SHA-256 {actual} does not match the recorded {expected}: the stored value was "
+                "altered or damaged, and was not used",
+            )
     if fmt == "text":
         return data.decode("utf-8")
     return cloudpickle.loads(data)

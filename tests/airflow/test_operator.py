@@ -78,7 +78,8 @@ def test_non_json_value_goes_to_the_result_location(ops: Any, airflow_db: Any) -
     # No result_location given and none configured: the default one under AIRFLOW_HOME.
     default_dir = (airflow_db / "sparktorch_ops" / "results").as_uri()
     assert summary["value_uri"].startswith(f"{default_dir}/sto_ops/")
-    assert summary["value_uri"].endswith("/non_json/try-1/result.pkl")
+    assert re.search(r"/non_json~[0-9a-f]{16}/try-1/result\.pkl$", summary["value_uri"])
+    assert re.fullmatch(r"[0-9a-f]{64}", summary["value_sha256"])
     assert summary["value_format"] == "pickle"
     assert summary["value_size"] > 0
     assert "builtins.set" in summary["value_stored_because"]

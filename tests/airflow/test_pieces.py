@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -115,25 +117,28 @@ def test_large_and_non_json_values_are_stored(tmp_path: Path, location: str) -> 
         "memory": f"memory://sto-{tmp_path.name}",
     }[location]
     key = result_key("dag", "manual__2025-01-01T00:00:00+00:00", "train", -1, 2)
-    assert key == "dag/manual__2025-01-01T00_00_00_00_00/train/try-2"
+    assert re.fullmatch(r"dag/manual__2025-01-01T00_00_00_00_00/train~[0-9a-f]{16}/try-2", key)
 
     text = "y" * 5000
     stored = value_fields(text, location=base, key=key, max_bytes=1000)
     assert stored["value_format"] == "text"
     assert stored["value_size"] == 5000
+    assert stored["value_sha256"] == hashlib.sha256(text.encode()).hexdigest()
     assert (
         "5002 bytes as JSON, more than max_xcom_value_bytes=1000" in stored["value_stored_because"]
     )
     assert "value" not in stored
     assert stored["value_uri"].endswith(f"{key}/result.txt")
-    assert load_result(stored) == text
-    assert load_result(stored["value_uri"]) == text
+    assert load_result(stored, result_location=base) == text
+    assert load_result(stored["value_uri"], result_location=base) == text
 
     odd = {"labels": {1, 2}, "blob": b"\x00\xff"}
     stored = value_fields(odd, location=base, key=key, max_bytes=10**6)
     assert stored["value_format"] == "pickle"
     assert stored["value_stored_because"] == "value['labels'] is a builtins.set"
-    assert load_result(stored) == odd
+    assert load_result(stored, result_location=base) == odd
+    sha256 = stored["value_sha256"]
+    assert load_result(stored["value_uri"], result_location=base, sha256=sha256) == odd
     if location != "memory":
         assert stored["value_uri"].startswith("file://")
         assert (
