@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparktorch_ops import channel
+from sparktorch_ops import channel, netif
 from sparktorch_ops.messages import (
     RDZV,
     STDERR,
@@ -62,10 +62,14 @@ class TaskReport:
 
 @dataclass(frozen=True)
 class BarrierTask:
-    """The function Spark runs in every barrier task (picklable: the plan, payload, secret)."""
+    """The function Spark runs in every barrier task (picklable: the plan, payload, secret).
+
+    The secret reaches the executor inside the task itself (which Spark encrypts when its
+    encryption is on) and the ranks through a private file, never an environment variable.
+    """
 
     plan: RunPlan
-    token: str = field(repr=False)
+    secret: str = field(repr=False)
     payload: Payload = field(repr=False)
 
     def __call__(self, _: Iterable[Any]) -> Iterator[TaskReport]:
@@ -85,8 +89,9 @@ class BarrierTask:
         )
         client = channel.ChannelClient.connect(
             self.plan.channel_address,
-            self.token,
+            self.secret,
             Hello(role="node", node=node, host=hosts[node], attempt=0, pid=os.getpid()),
+            fingerprint=self.plan.channel_fingerprint,
         )
         store = None
         try:
@@ -133,16 +138,19 @@ class BarrierTask:
                 os.environ,
                 run_id=plan.run_id,
                 channel=plan.channel_address,
-                token=self.token,
+                fingerprint=plan.channel_fingerprint,
                 payload_path=write_rank_payload(self.payload, workdir, in_place=False),
+                secret_path=channel.write_secret_file(workdir, self.secret),
                 launcher_pid=os.getpid(),
                 host=host,
                 rdzv_endpoint=endpoint,
                 gpus=gpus,
             )
+            # Ranks talk over the interface Spark reaches this host on (unless the user chose).
+            env = {**agent_plan.env, **netif.node_socket_env(host, agent_plan.env)}
             agent = AgentProcess(
                 agent_plan.argv,
-                agent_plan.env,
+                env,
                 workdir,
                 on_stdout=_forward(client, STDOUT),
                 on_stderr=_forward(client, STDERR),

@@ -13,28 +13,36 @@ fresh interpreter.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import IO, Any
 
 from sparktorch_ops import channel, worker
 from sparktorch_ops.messages import STDERR, STDOUT, ExitReport, Hello
-from sparktorch_ops.planning import CHANNEL_ENV, NODE_HOST_ENV, TOKEN_ENV
+from sparktorch_ops.planning import CHANNEL_ENV, FINGERPRINT_ENV, NODE_HOST_ENV, SECRET_FILE_ENV
 from sparktorch_ops.process import (
     ForkedChild,
+    LineSplitter,
     die_with_parent,
-    pump_lines,
     set_parent_death_signal,
     set_process_name,
     start_parent_watchdog,
 )
-from sparktorch_ops.results import signal_name
+from sparktorch_ops.results import OUTPUT_CUT_NOTE, signal_name
 
 AGENT_PID_ENV = "SPARKTORCH_OPS_AGENT_PID"
 _TERMINATE_GRACE_S = 5.0
+# After the rank exits, how long its output pipes may stay open (held by a process it started)
+# before the supervisor stops reading them; the pumps look at the clock this often.
+_PIPE_EOF_GRACE_S = 5.0
+_PUMP_WAKE_S = 0.25
+# What the rank left in a pipe is at most the pipe's size: more, read after the grace period,
+# comes from a process it started that keeps writing.
+_LATE_BYTES = 4 << 20
 
 
 def fork_keeps_cuda_usable() -> bool:
@@ -53,10 +61,12 @@ def fork_keeps_cuda_usable() -> bool:
 class Supervisor:
     """Runs one rank process and reports it to the driver."""
 
-    def __init__(self, client: channel.ChannelClient) -> None:
+    def __init__(self, client: channel.ChannelClient, secret: str) -> None:
         self.client = client
+        self._secret = secret
         self.child: ForkedChild | subprocess.Popen[bytes] | None = None
         self.finishing = False
+        self._eof_deadline: float | None = None
 
     def start(self) -> None:
         """Fork the rank process, or start it as a fresh interpreter where a fork could not use
@@ -64,7 +74,7 @@ class Supervisor:
 
         def run_rank() -> int:
             self.client.release_in_child()
-            return worker.run_forked()
+            return worker.run_forked(self._secret)
 
         if fork_keeps_cuda_usable():
             self.child = ForkedChild(run_rank)
@@ -110,20 +120,67 @@ class Supervisor:
         if not self.finishing:
             self.stop_child(signal.SIGKILL)
 
+    def _pump(self, stream: IO[bytes], kind: int) -> None:
+        """Forward a stream of the rank line by line to its end (the pipe's EOF).
+
+        Once the rank has exited, its pipe ends as soon as what it wrote is read, however long
+        forwarding that takes; only a pipe that is still open but empty ``_PIPE_EOF_GRACE_S``
+        after the exit (a process the rank started holds it) is given up on, and a line
+        starting with ``OUTPUT_CUT_NOTE`` says so. So is one that such a process keeps filling.
+        """
+        emit = self._forward(kind)
+        splitter = LineSplitter()
+        fd = stream.fileno()
+        cut = False
+        late_bytes = 0
+        while not cut:
+            deadline = self._eof_deadline
+            late = deadline is not None and time.monotonic() > deadline
+            try:
+                ready, _, _ = select.select([fd], [], [], 0 if late else _PUMP_WAKE_S)
+                if not ready:
+                    cut = late
+                    continue
+                data = os.read(fd, 1 << 16)
+            except OSError:
+                break
+            if not data:
+                break
+            if late:
+                late_bytes += len(data)
+                cut = late_bytes > _LATE_BYTES
+            lines = splitter.feed(data)
+            if lines:
+                emit(lines)
+        tail = splitter.finish()
+        if tail:
+            emit(tail)
+        if cut:
+            name = "stdout" if kind == STDOUT else "stderr"
+            emit(
+                [
+                    f"{OUTPUT_CUT_NOTE}: the rank exited but a process it started still held "
+                    f"its {name} open {_PIPE_EOF_GRACE_S:g} s later; the rest is not forwarded]"
+                ]
+            )
+
     def run(self) -> int:
         """Supervise until the rank process exits; return its exit status for torchrun."""
         assert self.child is not None and self.child.stdout and self.child.stderr
         streams = ((self.child.stdout, STDOUT), (self.child.stderr, STDERR))
         pumps = [
-            threading.Thread(target=pump_lines, args=(s, self._forward(k)), daemon=True)
-            for s, k in streams
+            threading.Thread(target=self._pump, args=(stream, kind), daemon=True)
+            for stream, kind in streams
         ]
         for pump in pumps:
             pump.start()
         threading.Thread(target=self._on_driver_gone, daemon=True).start()
         returncode = self.child.wait()
-        for pump in pumps:  # a grandchild may hold the pipes open: do not wait for it forever
-            pump.join(timeout=5)
+        # Everything the rank wrote is forwarded before its exit is reported; only a pipe that
+        # a process it started holds open is given up on (see _pump).
+        self._eof_deadline = time.monotonic() + _PIPE_EOF_GRACE_S
+        for pump in pumps:
+            pump.join()
         self.finishing = True
         if returncode < 0:
             report = ExitReport(exit_code=None, signal=signal_name(-returncode), time=time.time())
@@ -155,8 +212,11 @@ def main() -> None:
         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         pid=os.getpid(),
     )
-    client = channel.ChannelClient.connect(os.environ[CHANNEL_ENV], os.environ[TOKEN_ENV], hello)
-    supervisor = Supervisor(client)
+    secret = channel.read_secret_file(os.environ[SECRET_FILE_ENV])
+    client = channel.ChannelClient.connect(
+        os.environ[CHANNEL_ENV], secret, hello, fingerprint=os.environ.get(FINGERPRINT_ENV)
+    )
+    supervisor = Supervisor(client, secret)
     supervisor.start()
     signal.signal(signal.SIGTERM, lambda signum, frame: supervisor.stop_child(signum))
     signal.signal(signal.SIGINT, lambda signum, frame: supervisor.stop_child(signum))

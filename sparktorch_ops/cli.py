@@ -54,6 +54,12 @@ def _parser() -> argparse.ArgumentParser:
         help="Spark configuration, repeatable",
     )
     run.add_argument("--max-restarts", type=int, default=0)
+    run.add_argument(
+        "--max-local-processes",
+        type=int,
+        default=None,
+        help="most ranks local mode may start (default 4 per CPU of this machine)",
+    )
     run.add_argument("--timeout", type=float, default=None, help="seconds the run may take")
     run.add_argument(
         "--start-timeout",
@@ -94,6 +100,7 @@ def _job(args: argparse.Namespace, logger: logging.Logger, token: CancelToken) -
         use_gpu=args.use_gpu,
         spark=SparkSettings(master=args.master, conf=_conf(args.conf)),
         max_restarts=args.max_restarts,
+        max_local_processes=args.max_local_processes,
         timeout=args.timeout,
         start_timeout=args.start_timeout,
         logger=logger,

@@ -4,6 +4,17 @@ Runs on the channel server's thread. Log lines go to the caller's logger as they
 (stdout at INFO, stderr at WARNING, prefixed with rank and host); metrics go to ``on_metrics``;
 rank 0's result bytes are kept as they arrived; exits and failures are recorded in arrival
 order, which picks the root cause.
+
+What the driver keeps is bounded, so that no rank can exhaust the driver's memory:
+
+- rank 0's result: up to the run's ``max_result_bytes`` (refused beyond it as soon as more has
+  arrived, see :class:`~sparktorch_ops.errors.ResultTooLargeError`);
+- each rank's output tail: the last ``TAIL_LINES`` lines and ``TAIL_CHARS`` characters, a line
+  longer than ``TAIL_LINE_CHARS`` cut to its head with a marker (lines are decoded text:
+  characters are bytes for ASCII); every line still reaches the logger whole;
+- a script's value (rank 0's stdout): its last ``SCRIPT_OUTPUT_CAP`` characters, with a note;
+- metric records: the latest ``MAX_METRIC_RECORDS``; older ones are dropped (counted, with one
+  warning), while ``on_metrics`` sees every record.
 """
 
 from __future__ import annotations
@@ -13,11 +24,12 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from sparktorch_ops import channel, events
+from sparktorch_ops.errors import ResultTooLargeError
 from sparktorch_ops.messages import (
     EXIT,
     FAILURE,
@@ -34,9 +46,12 @@ from sparktorch_ops.messages import (
     RendezvousPort,
     ResultEnd,
 )
-from sparktorch_ops.results import MetricRecord, RankFailure
+from sparktorch_ops.results import OUTPUT_CUT_NOTE, MetricRecord, RankFailure
 
 TAIL_LINES = 200
+TAIL_CHARS = 256 << 10  # per rank (and for the agents' output)
+TAIL_LINE_CHARS = 16 << 10
+MAX_METRIC_RECORDS = 100_000
 FAILURE_TAIL_LINES = 60
 SCRIPT_OUTPUT_CAP = 4 << 20
 AGENT = -1  # pseudo-rank of a node's torchrun agent output
@@ -78,11 +93,60 @@ class ResultBytes(io.RawIOBase):
         return io.BufferedReader(self, buffer_size=1 << 16)
 
 
+def cut_line(line: str, keep: int = TAIL_LINE_CHARS) -> str:
+    """``line`` cut to its first ``keep`` characters, marked with how many bytes were cut."""
+    if len(line) <= keep:
+        return line
+    cut = len(line[keep:].encode("utf-8", errors="replace"))
+    return f"{line[:keep]} \u2026[cut {cut} bytes]"
+
+
+class Tail:
+    """The last lines of an output, bounded by lines and by size; iterates oldest first.
+
+    Keeps at most ``max_lines`` lines and ``max_chars`` characters (always the newest line); a
+    line longer than ``line_chars`` keeps its head, marked by :func:`cut_line`.
+    """
+
+    def __init__(
+        self,
+        max_lines: int = TAIL_LINES,
+        max_chars: int = TAIL_CHARS,
+        line_chars: int = TAIL_LINE_CHARS,
+    ) -> None:
+        self._lines: deque[str] = deque()
+        self._chars = 0
+        self._max_lines = max_lines
+        self._max_chars = max_chars
+        self._line_chars = line_chars
+
+    def extend(self, lines: list[str]) -> None:
+        """Add lines, dropping the oldest beyond the bounds."""
+        if lines and max(map(len, lines)) > self._line_chars:
+            lines = [cut_line(line, self._line_chars) for line in lines]
+        held = self._lines
+        held.extend(lines)
+        self._chars += sum(map(len, lines))
+        while len(held) > self._max_lines or (self._chars > self._max_chars and len(held) > 1):
+            self._chars -= len(held.popleft())
+
+    @property
+    def chars(self) -> int:
+        """Characters held."""
+        return self._chars
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._lines)
+
+    def __len__(self) -> int:
+        return len(self._lines)
+
+
 @dataclass
 class _RankState:
     host: str = ""
     attempt: int = 0
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    tail: Tail = field(default_factory=Tail)
     exit_code: int | None = None
     signal: str | None = None
     exited: bool = False
@@ -102,6 +166,8 @@ class RunCollector(channel.ChannelHandler):
         keep_rank0_stdout: keep rank 0's stdout (up to 4 MiB, the tail) as a script's value.
         on_phase: called (on the channel thread) with a phase name and the node or rank it
             concerns, for the run's events.
+        max_result_bytes: the largest result rank 0 may send (None: no limit).
+        max_metric_records: how many metric records ``metrics`` keeps (the latest).
     """
 
     def __init__(
@@ -113,8 +179,11 @@ class RunCollector(channel.ChannelHandler):
         max_restarts: int,
         keep_rank0_stdout: bool,
         on_phase: Callable[..., None] | None = None,
+        max_result_bytes: int | None = None,
+        max_metric_records: int = MAX_METRIC_RECORDS,
     ) -> None:
         self._on_phase = on_phase or (lambda name, **where: None)
+        self._max_result_bytes = max_result_bytes
         self._log = logger
         self._log_ranks = log_ranks
         self._on_metrics = on_metrics
@@ -122,14 +191,18 @@ class RunCollector(channel.ChannelHandler):
         self._keep_stdout = keep_rank0_stdout
         self._lock = threading.Lock()
         self.ranks: dict[int, _RankState] = {}
-        self.agent_tail: deque[str] = deque(maxlen=TAIL_LINES)
-        self.metrics: list[MetricRecord] = []
+        self.agent_tail = Tail()
+        self.metrics: deque[MetricRecord] = deque(maxlen=max_metric_records)
+        self.metrics_dropped = 0
         self._steps: dict[int, int] = {}
         self._stdout: deque[str] = deque()
         self._stdout_bytes = 0
         self.stdout_truncated = False
+        self.incomplete: str | None = None
         self._result: list[bytes | bytearray] = []
+        self._result_size = 0
         self.result: ResultBytes | None = None
+        self.result_refused: ResultTooLargeError | None = None
         self.attempt = 0
         self.failure_order: list[int] = []
         self.fatal = False
@@ -140,6 +213,7 @@ class RunCollector(channel.ChannelHandler):
         self._node_peers: dict[int, channel.Peer] = {}
         self._rendezvous: RendezvousPort | None = None
         self._retried = False
+        self.lost_nodes: dict[int, str] = {}
 
     # -- channel callbacks -------------------------------------------------------------------
     def on_hello(self, peer: channel.Peer) -> None:
@@ -196,11 +270,16 @@ class RunCollector(channel.ChannelHandler):
         if kind == METRIC:
             self._metric(rank, MetricReport.decode(payload))
         elif kind == RESULT_CHUNK and rank == 0:
-            self._result.append(payload)
+            self._result_chunk(payload)
         elif kind == RESULT_END and rank == 0:
+            size = ResultEnd.decode(payload).size
+            if self.result_refused is not None:
+                limit = self.result_refused.limit
+                self.result_refused = ResultTooLargeError(size, limit, exact=True)
+                return
             result = ResultBytes(self._result)
-            self._result = []
-            if ResultEnd.decode(payload).size == result.size:
+            self._result, self._result_size = [], 0
+            if size == result.size:
                 self.result = result
                 self._on_phase(events.RESULT_RECEIVED, rank=0, size=result.size)
         elif kind == FAILURE:
@@ -223,6 +302,9 @@ class RunCollector(channel.ChannelHandler):
                 state.lost = True
                 self._fail(hello.rank, "the rank's process vanished (killed, or its host was lost)")
         elif hello.role == "node" and hello.node not in self.nodes_exited:
+            assert hello.node is not None
+            with self._lock:
+                self.lost_nodes[hello.node] = hello.host
             self._fail(
                 AGENT, f"barrier task {hello.node} on {hello.host} was lost (executor died?)"
             )
@@ -246,14 +328,30 @@ class RunCollector(channel.ChannelHandler):
         for state in self.ranks.values():
             state.exited, state.exit_code, state.signal = False, None, None
             state.reason, state.failed_at = "", None
-        self._result = []
+        self._result, self._result_size = [], 0
         self.result = None
+        self.result_refused = None
+
+    def _result_chunk(self, chunk: bytes | bytearray) -> None:
+        """Keep a chunk of rank 0's result, unless the result has passed the limit: then
+        release what arrived and keep nothing more of it (the run fails with the error)."""
+        if self.result_refused is not None:
+            return
+        self._result_size += len(chunk)
+        limit = self._max_result_bytes
+        if limit is not None and self._result_size > limit:
+            self._result = []
+            self.result_refused = ResultTooLargeError(self._result_size, limit)
+            return
+        self._result.append(chunk)
 
     def _rank_lines(self, rank: int, kind: int, lines: list[str]) -> None:
         state = self.ranks.setdefault(rank, _RankState())
         state.tail.extend(lines)
         if rank == 0 and kind == STDOUT and self._keep_stdout:
             self._keep_rank0_stdout(lines)
+            if lines and lines[0].startswith(OUTPUT_CUT_NOTE):  # the supervisor's own line
+                self.mark_incomplete("rank 0's supervisor stopped reading its output early")
         if self._log_ranks is not None and rank not in self._log_ranks:
             return
         level = logging.INFO if kind == STDOUT else logging.WARNING
@@ -298,13 +396,26 @@ class RunCollector(channel.ChannelHandler):
             self._stdout_bytes -= len(self._stdout.popleft()) + 1
             self.stdout_truncated = True
 
+    def mark_incomplete(self, reason: str) -> None:
+        """Output of the run may be missing at its end (the first reason is kept)."""
+        if self.incomplete is None:
+            self.incomplete = reason
+
+    @property
+    def output_truncated(self) -> bool:
+        """Whether a script's value is not all of rank 0's stdout (cut or incomplete)."""
+        return self.stdout_truncated or self.incomplete is not None
+
     def rank0_stdout(self) -> str:
-        """Rank 0's stdout (its tail, with a note, when it exceeded the cap)."""
+        """Rank 0's stdout (its tail, with a note, when it exceeded the cap; with a note at the
+        end when output may be missing)."""
         text = "\n".join(self._stdout) + ("\n" if self._stdout else "")
+        # The notes are part of the value on purpose: a caller must not mistake a part for all.
         if self.stdout_truncated:
-            # The note is part of the value on purpose: a caller must not mistake a tail for all.
             note = f"[sparktorch_ops: output cut to its last {SCRIPT_OUTPUT_CAP} bytes]"
-            return f"{note}\n{text}"
+            text = f"{note}\n{text}"
+        if self.incomplete is not None:
+            text += f"[sparktorch_ops: output may be incomplete: {self.incomplete}]\n"
         return text
 
     def _metric(self, rank: int, report: MetricReport) -> None:
@@ -315,6 +426,16 @@ class RunCollector(channel.ChannelHandler):
             values=dict(report.values),
             progress=report.progress,
         )
+        if len(self.metrics) == self.metrics.maxlen:
+            self.metrics_dropped += 1
+            if self.metrics_dropped == 1:
+                self._log.log(
+                    logging.WARNING,
+                    "sparktorch_ops: more than %d metric records; RunResult.metrics keeps the "
+                    "latest %d (on_metrics still gets every record)",
+                    self.metrics.maxlen,
+                    self.metrics.maxlen,
+                )
         self.metrics.append(metric)
         if self._on_metrics is not None:
             try:
@@ -376,6 +497,23 @@ class RunCollector(channel.ChannelHandler):
                 )
             )
         return failures
+
+    def lost_something(self) -> bool:
+        """Whether a barrier task or a rank of the run vanished without saying how it ended."""
+        with self._lock:
+            return any(rank == AGENT or self.ranks[rank].lost for rank in self.failure_order)
+
+    def explain_lost_nodes(self, cause: str) -> bool:
+        """Spark said why barrier tasks were lost: that, not "executor died?", is the reason.
+        Returns whether a lost task's failure now says so."""
+        with self._lock:
+            state = self.ranks.get(AGENT)
+            if state is None or not self.lost_nodes:
+                return False
+            tasks = ", ".join(f"{node} on {host}" for node, host in sorted(self.lost_nodes.items()))
+            noun = "task" if len(self.lost_nodes) == 1 else "tasks"
+            state.reason = f"barrier {noun} {tasks} failed in Spark: {cause}"
+            return True
 
     def failed_ranks_reported(self) -> bool:
         """Every failed rank has reported how it exited (or is known to be lost)."""

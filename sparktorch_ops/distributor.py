@@ -41,12 +41,14 @@ from sparktorch_ops.planning import (
 )
 from sparktorch_ops.results import MetricRecord, RunResult
 from sparktorch_ops.spark import SparkSettings
-from sparktorch_ops.spec import LaunchSpec
+from sparktorch_ops.spec import DEFAULT_MAX_RESULT_BYTES, LaunchSpec
+from sparktorch_ops.tls import ChannelCertificate, make_certificate
 
 _POLL_S = 0.05
 _DRAIN_S = 10.0
 _COLLATERAL_S = 3.0
 _EXIT_REPORT_S = 2.0
+_SPARK_CAUSE_S = 3.0  # how long a lost barrier task's Spark error may take to arrive
 _default_logger = logging.getLogger("sparktorch_ops")
 
 
@@ -134,7 +136,11 @@ class TorchDistributor:
         start_timeout: seconds to wait for task slots, executors and the rendezvous.
         timeout: seconds (or a timedelta) the whole run may take.
         log_ranks: ranks whose output is forwarded to ``logger`` (default: all).
-        allow_unencrypted_channel: run even though Spark encryption is on.
+        allow_unencrypted_channel: no TLS on the channel even though Spark encryption is on.
+        max_result_bytes: the largest pickled return value rank 0 may send (default 1 GiB);
+            beyond it the run fails with :class:`ResultTooLargeError`.
+        max_local_processes: the most ranks local mode may start (default 4 per CPU of the
+            driver).
     """
 
     def __init__(
@@ -154,6 +160,8 @@ class TorchDistributor:
         timeout: float | datetime.timedelta | None = None,
         log_ranks: Iterable[int] | None = None,
         allow_unencrypted_channel: bool = False,
+        max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+        max_local_processes: int | None = None,
     ) -> None:
         self.spec = LaunchSpec(
             num_processes=num_processes,
@@ -169,6 +177,8 @@ class TorchDistributor:
             on_metrics=on_metrics,
             on_event=on_event,
             allow_unencrypted_channel=allow_unencrypted_channel,
+            max_result_bytes=max_result_bytes,
+            max_local_processes=max_local_processes,
         )
         if spark is not None:
             spark_support.refuse_connect(spark)
@@ -422,9 +432,7 @@ class _Run:
     def _preflight(self, sc: Any) -> None:
         """Barrier mode: settings, layout, slots and the executors' Python, before launch."""
         spec = self.spec
-        spark_support.check_barrier_conf(
-            sc, allow_unencrypted_channel=spec.allow_unencrypted_channel
-        )
+        spark_support.check_barrier_conf(sc)
         layout = barrier_layout(spec.num_processes, spec.use_gpu, spark_support.task_gpu_amount(sc))
         spark_support.wait_for_slots(
             sc,
@@ -436,6 +444,15 @@ class _Run:
         self.machine.emit(events.SLOTS_READY, tasks=layout.num_tasks)
         spark_support.probe_executors(sc, layout.num_tasks)
         self.machine.emit(events.EXECUTORS_CHECKED)
+
+    def _channel_certificate(self, sc: Any) -> ChannelCertificate | None:
+        """A TLS certificate for the channel when Spark encrypts its own traffic (barrier
+        mode; the local mode's channel never leaves loopback), unless the user opted out."""
+        if sc is None or self.spec.allow_unencrypted_channel:
+            return None
+        if not spark_support.encryption_enabled(sc):
+            return None
+        return make_certificate()
 
     def _launch(
         self,
@@ -453,17 +470,26 @@ class _Run:
             max_restarts=spec.max_restarts,
             keep_rank0_stdout=not isinstance(payload, FunctionCall),
             on_phase=lambda name, **where: self._on_phase(collector, name, **where),
+            max_result_bytes=spec.max_result_bytes,
         )
         host = "127.0.0.1" if sc is None else spark_support.driver_host(sc)
-        token = secrets.token_hex(32)
-        server = ChannelServer(host, collector, self.log, token)
-        machine.emit(events.CHANNEL_OPEN, address=server.address)
+        secret = secrets.token_hex(32)
+        certificate = self._channel_certificate(sc)
+        server = ChannelServer(
+            host,
+            collector,
+            self.log,
+            secret,
+            tls=certificate.server_context() if certificate is not None else None,
+        )
+        machine.emit(events.CHANNEL_OPEN, address=server.address, tls=certificate is not None)
         launcher: Launcher | None = None
         try:
             facts = RunFacts(
                 run_id=self.run_id,
                 python=sys.executable,
                 channel_address=server.address,
+                channel_fingerprint=certificate.fingerprint if certificate is not None else None,
                 driver_host=socket.gethostname(),
                 cpu_count=os.cpu_count(),
                 local_gpus=local_gpus,
@@ -475,9 +501,9 @@ class _Run:
             self._check_cancelled()
             machine.to(RunState.STARTING)
             if sc is None:
-                launcher = LocalLauncher(plan, payload, token, collector)
+                launcher = LocalLauncher(plan, payload, secret, collector)
             else:
-                launcher = BarrierLauncher(plan, payload, token, sc, release=server.close)
+                launcher = BarrierLauncher(plan, payload, secret, sc, release=server.close)
             launcher.start()
             machine.emit(events.LAUNCHER_STARTED)
             self.log.info(
@@ -489,7 +515,7 @@ class _Run:
             code, note = self._supervise(launcher, collector, server, plan, started)
             machine.to(RunState.FINISHING)
             if code == 0 and not collector.failed:
-                server.drain(lambda: collector.supervisors_done(spec.num_processes), _DRAIN_S)
+                self._drain(server, collector)
                 machine.emit(events.DRAINED)
             if code != 0 or collector.failed:
                 raise errors.TrainingFailedError(collector.failures(), note)
@@ -511,13 +537,14 @@ class _Run:
             exit_codes=collector.exit_codes(),
             outputs=collector.outputs(),
             metrics=list(collector.metrics),
+            metrics_dropped=collector.metrics_dropped,
             started_at=started_at,
             finished_at=pendulum.now("UTC"),
             mode=spec.mode,
             num_processes=spec.num_processes,
             app_id=sc.applicationId if sc is not None else None,
             ui_url=spark_support.ui_url(sc) if sc is not None else None,
-            output_truncated=collector.stdout_truncated,
+            output_truncated=collector.output_truncated,
             run_id=self.run_id,
         )
 
@@ -556,12 +583,16 @@ class _Run:
                     spec.start_timeout,
                     f"only {connected} of {spec.num_processes} ranks started",
                 )
+            if collector.result_refused is not None:
+                raise collector.result_refused  # stop rank 0 sending the rest
             if collector.fatal:
                 # The failed rank reports its exit a moment after its failure: wait for that
                 # (briefly) so the error has the exit code before the others are torn down.
                 deadline = time.monotonic() + _EXIT_REPORT_S
                 while not collector.failed_ranks_reported() and time.monotonic() < deadline:
                     time.sleep(_POLL_S / 5)
+                if isinstance(launcher, BarrierLauncher) and collector.lost_something():
+                    return self._spark_cause(launcher, collector)
                 return 1, ""
             if (
                 isinstance(launcher, BarrierLauncher)
@@ -570,15 +601,60 @@ class _Run:
             ):
                 # Every agent is done with the rendezvous store; the supervisors' last frames
                 # are read before the release closes the channel.
-                server.drain(lambda: collector.supervisors_done(spec.num_processes), _DRAIN_S)
+                self._drain(server, collector)
                 launcher.release_rendezvous()
                 released = True
-            status = launcher.poll()
+            status = launcher.poll()  # raises SparkJobKilledError for a kill from the Spark UI
             if status is not None:
+                if isinstance(launcher, BarrierLauncher) and launcher.spark_error is not None:
+                    return self._spark_cause(launcher, collector)
                 return status
             time.sleep(_POLL_S)
 
+    def _drain(self, server: ChannelServer, collector: RunCollector) -> None:
+        """Read what the ranks still send until every rank has hung up; when that does not
+        happen in time, say so (in the log and in a script's value) instead of losing it."""
+        num_processes = self.spec.num_processes
+        if server.drain(lambda: collector.supervisors_done(num_processes), _DRAIN_S):
+            return
+        if collector.incomplete is None:
+            self.log.log(
+                logging.WARNING,
+                "sparktorch_ops: %s: not every rank hung up within %g s of finishing (a process "
+                "a rank started may still hold its connection); output, metrics or the result "
+                "sent after that are lost",
+                self.run_id,
+                _DRAIN_S,
+            )
+        collector.mark_incomplete(
+            f"not every rank had hung up {_DRAIN_S:g} s after the run ended; output sent "
+            "later was not read"
+        )
+
+    def _spark_cause(self, launcher: BarrierLauncher, collector: RunCollector) -> tuple[int, str]:
+        """A barrier task was lost: Spark's own error for the job says why (a task that raised,
+        a full disk), or that the job was killed (raises SparkJobKilledError). Wait briefly for
+        it; log it and make it the failure's reason."""
+        deadline = time.monotonic() + _SPARK_CAUSE_S
+        while launcher.poll() is None and time.monotonic() < deadline:
+            self._check_cancelled()
+            time.sleep(_POLL_S)
+        status = launcher.poll()
+        if launcher.spark_error is None:
+            return 1, ""
+        self.log.log(
+            logging.WARNING,
+            "sparktorch_ops: %s: the Spark job failed: %s",
+            self.run_id,
+            launcher.spark_error_detail,
+        )
+        if collector.explain_lost_nodes(launcher.spark_error):
+            return 1, ""  # the lost task's failure says it: once is enough
+        return status if status is not None else (1, "")
+
     def _value(self, collector: RunCollector) -> Any:
+        if collector.result_refused is not None:
+            raise collector.result_refused
         if not isinstance(self.job.payload, FunctionCall):
             return collector.rank0_stdout()
         if collector.result is None:

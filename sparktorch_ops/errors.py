@@ -42,6 +42,38 @@ class ChannelError(SparkTorchError):
     """The rank -> driver channel lost something the run needs (for example rank 0's result)."""
 
 
+class ResultTooLargeError(ChannelError):
+    """Rank 0's pickled return value passed ``max_result_bytes``; the driver stopped reading it.
+
+    Not retryable: the same run returns the same value. Return less (save large objects to
+    storage and return their path) or raise the limit.
+
+    Attributes:
+        size: the value's size in bytes, or the bytes that had arrived when the driver refused
+            it (then ``exact`` is False and the value is larger still).
+        limit: the limit in force.
+        setting: the option that sets it (``max_result_bytes``).
+        exact: whether ``size`` is the value's whole size.
+    """
+
+    def __init__(
+        self, size: int, limit: int, setting: str = "max_result_bytes", exact: bool = False
+    ) -> None:
+        self.size = size
+        self.limit = limit
+        self.setting = setting
+        self.exact = exact
+        amount = f"{size:,} bytes" if exact else f"more than {size:,} bytes"
+        super().__init__(
+            f"rank 0's return value is {amount} pickled, over the limit {setting}={limit:,}; "
+            f"the driver stopped reading it. Return less (save large objects to storage and "
+            f"return their path) or raise {setting}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.size, self.limit, self.setting, self.exact))
+
+
 class TrainingFailedError(SparkTorchError):
     """One or more ranks failed.
 
@@ -68,15 +100,15 @@ class TrainingFailedError(SparkTorchError):
         first = self.first_failure
         if first is None:
             return self.note or "training failed"
-        lines = [f"rank {first.rank} failed first ({first.describe()})"]
+        lines = [f"{first.who} failed first ({first.describe()})"]
         if self.note:
             lines.append(self.note)
         if first.output_tail:
-            lines.append(f"--- last output of rank {first.rank} ---")
+            lines.append(f"--- last output of {first.who} ---")
             lines.append(first.output_tail.rstrip("\n"))
             lines.append("---")
         if self.collateral:
-            others = ", ".join(f"rank {f.rank} ({f.describe()})" for f in self.collateral)
+            others = ", ".join(f"{f.who} ({f.describe()})" for f in self.collateral)
             lines.append(f"collateral: {others}")
         return "\n".join(lines)
 
@@ -122,3 +154,10 @@ class TrainingCancelledError(SparkTorchError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.reason,))
+
+
+class SparkJobKilledError(TrainingCancelledError):
+    """The run's Spark job was cancelled from outside the run: the kill link of the Spark UI,
+    ``SparkContext.cancelJobGroup`` / ``cancelAllJobs`` / ``cancelJob``. Not retryable: someone
+    stopped it on purpose.
+    """

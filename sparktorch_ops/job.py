@@ -135,7 +135,7 @@ def build_job(
     """
     if isinstance(train, str):
         train = train.strip()
-    for name in ("num_processes", "max_restarts"):
+    for name in ("num_processes", "max_restarts", "max_result_bytes", "max_local_processes"):
         if name in options:
             options[name] = coerce_int(name, options[name])
     env = options.get("env")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -19,7 +20,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from sparktorch_ops.barrier import BarrierTask, TaskReport
+from sparktorch_ops.channel import write_secret_file
 from sparktorch_ops.collector import RunCollector
+from sparktorch_ops.errors import SparkJobKilledError
 from sparktorch_ops.payload import Payload, write_rank_payload
 from sparktorch_ops.planning import RUN_ID_ENV, RunPlan
 from sparktorch_ops.process import AgentProcess, marked_processes, terminate_processes
@@ -48,12 +51,12 @@ class LocalLauncher:
     """One torchrun agent on the driver, with every rank."""
 
     def __init__(
-        self, plan: RunPlan, payload: Payload, token: str, collector: RunCollector
+        self, plan: RunPlan, payload: Payload, secret: str, collector: RunCollector
     ) -> None:
         (self._node,) = plan.nodes
         self._plan = plan
         self._payload = payload
-        self._token = token
+        self._secret = secret
         self._collector = collector
         self._workdir: str | None = None
         self._agent: AgentProcess | None = None
@@ -62,14 +65,21 @@ class LocalLauncher:
         """Write the payload into a fresh work directory and start the agent."""
         plan, node = self._plan, self._node
         self._workdir = tempfile.mkdtemp(prefix=f"{plan.run_id}-")
-        agent = node.bind(
-            os.environ,
-            run_id=plan.run_id,
-            channel=plan.channel_address,
-            token=self._token,
-            payload_path=write_rank_payload(self._payload, self._workdir, in_place=True),
-            launcher_pid=os.getpid(),
-        )
+        try:
+            agent = node.bind(
+                os.environ,
+                run_id=plan.run_id,
+                channel=plan.channel_address,
+                fingerprint=plan.channel_fingerprint,
+                payload_path=write_rank_payload(self._payload, self._workdir, in_place=True),
+                secret_path=write_secret_file(self._workdir, self._secret),
+                launcher_pid=os.getpid(),
+            )
+        except BaseException:
+            # A write that failed (a full disk) leaves neither the directory nor the secret.
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+            raise
         self._agent = AgentProcess(
             agent.argv,
             agent.env,
@@ -93,11 +103,13 @@ class LocalLauncher:
 
     def teardown(self) -> None:
         """Stop the agent (SIGTERM, then SIGKILL) and every process of the run."""
-        if self._agent is not None:
-            self._agent.terminate(grace=3.0)
-        terminate_processes(marked_processes(RUN_ID_ENV, self._plan.run_id), grace=1.0)
-        if self._workdir is not None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
+        try:
+            if self._agent is not None:
+                self._agent.terminate(grace=3.0)
+            terminate_processes(marked_processes(RUN_ID_ENV, self._plan.run_id), grace=1.0)
+        finally:  # the work directory (and the secret in it) goes whatever happened above
+            if self._workdir is not None:
+                shutil.rmtree(self._workdir, ignore_errors=True)
 
 
 class BarrierLauncher:
@@ -106,7 +118,7 @@ class BarrierLauncher:
     Args:
         plan: the run plan (barrier mode).
         payload: what the ranks run.
-        token: the run's secret.
+        secret: the run's secret (inside the Spark task, never in an environment).
         sc: the SparkContext.
         release: closes the driver's channel. Task 0 hosts the rendezvous store and keeps it
             until the driver says the run is over; closing the channel is how it says it.
@@ -116,16 +128,20 @@ class BarrierLauncher:
         self,
         plan: RunPlan,
         payload: Payload,
-        token: str,
+        secret: str,
         sc: SparkContext,
         release: Callable[[], None],
     ) -> None:
         self._plan = plan
-        self._task = BarrierTask(plan=plan, token=token, payload=payload)
+        self._task = BarrierTask(plan=plan, secret=secret, payload=payload)
         self._sc = sc
         self._release = release
         self._reports: list[TaskReport] | None = None
         self._error: BaseException | None = None
+        self._stopping = False
+        self.spark_error: str | None = None
+        self.spark_error_detail = ""
+        self._killed = False
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -150,7 +166,12 @@ class BarrierLauncher:
             rdd = sc.parallelize(range(num_tasks), num_tasks).barrier()
             self._reports = rdd.mapPartitions(self._task).collect()
         except BaseException as exc:  # reported by poll()
-            self._error = exc
+            try:
+                message = _java_message(exc)
+                self._killed = not self._stopping and _cancelled_by_spark(message)
+                self.spark_error, self.spark_error_detail = _summarize(exc, message)
+            finally:
+                self._error = exc
         finally:
             try:
                 sc.removeJobTag(plan.run_id)
@@ -163,11 +184,21 @@ class BarrierLauncher:
         self._release()
 
     def poll(self) -> tuple[int, str] | None:
-        """The job's overall status once it has ended, with each failed task's story."""
+        """The job's overall status once it has ended, with each failed task's story.
+
+        Raises:
+            SparkJobKilledError: the job was cancelled from outside the run (the Spark UI's
+                kill link, ``cancelJobGroup``, ``cancelAllJobs``).
+        """
         if not self._done.is_set():
             return None
+        if self._killed:
+            raise SparkJobKilledError(
+                f"the Spark job was killed outside sparktorch_ops (the Spark UI's kill link, "
+                f"cancelJob, cancelJobGroup or cancelAllJobs): {self.spark_error}"
+            )
         if self._error is not None:
-            return 1, f"the Spark job failed: {_first_line(self._error)}"
+            return 1, f"the Spark job failed: {self.spark_error or _first_line(self._error)}"
         reports = self._reports or []
         notes = [f"task {r.node}: {r.error}" for r in reports if r.error]
         failed = [r for r in reports if r.exit_code != 0]
@@ -184,6 +215,7 @@ class BarrierLauncher:
         """Cancel the job by its tag; the tasks stop their agents when the channel closes."""
         if self._done.is_set() or self._thread is None:
             return
+        self._stopping = True  # the cancellation that follows is ours, not a kill
         try:
             self._sc.cancelJobsWithTag(self._plan.run_id)
         except Exception:  # the channel closing stops the tasks' agents all the same
@@ -204,6 +236,51 @@ class BarrierLauncher:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+_JOB_CANCELLED = re.compile(r"\[SPARK_JOB_CANCELLED\]|\bJob \d+ cancelled\b")
+_PYTHON_TRACEBACK = "Traceback (most recent call last):"
+
+
+def _java_message(exc: BaseException) -> str:
+    """The Spark side's own message of a failed job (a Py4JJavaError's Java exception), else
+    the exception's text."""
+    java = getattr(exc, "java_exception", None)
+    if java is not None:
+        try:
+            return str(java.getMessage() or "")
+        except Exception:  # the JVM may be gone: fall back to the Python side's text
+            pass
+    return str(exc)
+
+
+def _cancelled_by_spark(message: str) -> bool:
+    """Whether Spark cancelled the job (its UI's kill link, cancelJob/JobGroup/AllJobs)."""
+    return bool(_JOB_CANCELLED.search(message))
+
+
+def _summarize(exc: BaseException, message: str) -> tuple[str, str]:
+    """(one line, detail) of a failed Spark job: Spark's reason and, when a task raised in
+    Python, that exception's last line; the detail adds the task's Python traceback."""
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return _first_line(exc), ""
+    head = lines[0]
+    if head.startswith("An error occurred while calling") and len(lines) > 1:
+        head = lines[1].lstrip(": ")
+    detail = head
+    start = message.rfind(_PYTHON_TRACEBACK)
+    if start >= 0:
+        block = []
+        for line in message[start:].splitlines():
+            if line.startswith(("\tat ", "at ")):
+                break
+            block.append(line)
+        raised = [line for line in block[1:] if line and not line[0].isspace()]
+        if raised:
+            head = f"{head} ... {raised[-1]}"
+        detail = "\n".join([lines[0], *block])
+    return head, detail
 
 
 __all__ = ["BarrierLauncher", "Launcher", "LocalLauncher", "TaskReport"]

@@ -22,6 +22,8 @@ RESULT_END = 6
 EXIT = 7
 FAILURE = 8
 RDZV = 9  # task 0 -> driver: its rendezvous store's port; driver -> every task: the same
+CHALLENGE = 10  # driver -> client, first: a nonce the HELLO must answer (see channel)
+WELCOME = 11  # driver -> client: proof that the driver holds the run's secret
 
 Role = Literal["node", "supervisor", "worker"]
 ROLES = ("node", "supervisor", "worker")

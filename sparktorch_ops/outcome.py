@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from sparktorch_ops.errors import (
     ConfigError,
+    ResultTooLargeError,
+    SparkJobKilledError,
     SparkTorchError,
     StartTimeoutError,
     TrainingCancelledError,
@@ -32,7 +34,8 @@ class Outcome:
     Attributes:
         status: ``succeeded``, ``bad_input``, ``failed``, ``timed_out``, ``cancelled`` or
             ``error`` (an unexpected exception, not one of ours).
-        retryable: whether running the job again may succeed (bad input never does).
+        retryable: whether running the job again may succeed (bad input never does; nor is
+            a Spark job killed from the Spark UI rerun behind its killer's back).
         message: one paragraph for a task log or a UI (the error's own text).
         rank: the rank that failed first, for a training failure.
         host: that rank's host.
@@ -77,8 +80,14 @@ def outcome_of(error: BaseException | None) -> Outcome:
         )
     if isinstance(error, (StartTimeoutError, TrainingTimeoutError)):
         return Outcome("timed_out", True, message, exit_status=EXIT_TIMEOUT)
+    if isinstance(error, SparkJobKilledError):
+        # Someone killed the Spark job on purpose (the Spark UI): a retry would undo that.
+        return Outcome("cancelled", False, message, exit_status=EXIT_INTERRUPTED)
     if isinstance(error, TrainingCancelledError):
+        # The orchestrator stopped the task (on_kill, a worker shutting down): its call.
         return Outcome("cancelled", True, message, exit_status=EXIT_INTERRUPTED)
+    if isinstance(error, ResultTooLargeError):  # the same run returns the same value
+        return Outcome("failed", False, message, exit_status=EXIT_FAILED)
     if isinstance(error, SparkTorchError):
         return Outcome(
             "failed", True, f"{type(error).__name__}: {message}", exit_status=EXIT_FAILED

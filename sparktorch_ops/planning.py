@@ -16,7 +16,10 @@ from sparktorch_ops.errors import ConfigError, ResourceError
 # every process of a run in the process table (tests and operators use it).
 RUN_ID_ENV = "SPARKTORCH_OPS_RUN_ID"
 CHANNEL_ENV = "SPARKTORCH_OPS_CHANNEL"
-TOKEN_ENV = "SPARKTORCH_OPS_TOKEN"
+# The run's secret is in a private file (never in the environment: ranks print it); the
+# fingerprint of the channel's TLS certificate is public and travels in the environment.
+SECRET_FILE_ENV = "SPARKTORCH_OPS_SECRET_FILE"
+FINGERPRINT_ENV = "SPARKTORCH_OPS_CHANNEL_FINGERPRINT"
 PAYLOAD_ENV = "SPARKTORCH_OPS_PAYLOAD"
 NODE_HOST_ENV = "SPARKTORCH_OPS_HOST"
 # The pid of the process that started a node's agent: the agent dies when that one does.
@@ -107,7 +110,8 @@ def agent_env(
     *,
     run_id: str,
     channel: str,
-    token: str,
+    fingerprint: str | None,
+    secret_path: str,
     payload_path: str,
     host: str,
     omp_threads: int | None,
@@ -123,7 +127,11 @@ def agent_env(
     env.update(user_env)
     env[RUN_ID_ENV] = run_id
     env[CHANNEL_ENV] = channel
-    env[TOKEN_ENV] = token
+    env[SECRET_FILE_ENV] = secret_path
+    if fingerprint is not None:
+        env[FINGERPRINT_ENV] = fingerprint
+    else:
+        env.pop(FINGERPRINT_ENV, None)
     env[PAYLOAD_ENV] = payload_path
     env[NODE_HOST_ENV] = host
     if omp_threads is not None and "OMP_NUM_THREADS" not in env:
@@ -253,11 +261,11 @@ def check_slots(required_tasks: int, available_slots: int, *, waited: bool) -> N
 # Values only the acting layer knows; a plan carries them as placeholders that a node fills in
 # (``NodePlan.bind``), and a dry run shows them as they are.
 PAYLOAD_PATH = "<payload_path>"  # where the launcher writes the rank's payload
+SECRET_PATH = "<secret_path>"  # where the launcher writes the run's secret (mode 0600)
 NODE_HOST = "<node_host>"  # the barrier task's host, from Spark's task infos
 RDZV_ENDPOINT = "<rdzv_endpoint>"  # task 0's rendezvous store, learnt during the run
 TASK_GPUS = "<task_gpus>"  # the barrier task's GPU addresses, from Spark's task resources
 UNKNOWN = "<unknown>"  # a fact a dry run did not gather (no I/O)
-REDACTED = "<redacted>"
 
 
 @dataclass(frozen=True)
@@ -268,6 +276,7 @@ class RunFacts:
         run_id: the run's id (also the rendezvous id and the process-table marker).
         python: the interpreter the agents run (``sys.executable``; the same on executors).
         channel_address: the driver's channel listener, ``host:port``.
+        channel_fingerprint: its TLS certificate's SHA-256 (None: plain TCP).
         driver_host: this machine's host name, for local mode's rank prefixes.
         cpu_count: the driver's cores (local mode's OMP_NUM_THREADS).
         local_gpus: the driver GPUs a local-mode run takes (None: CPU run or unknown).
@@ -278,6 +287,7 @@ class RunFacts:
     run_id: str
     python: str
     channel_address: str = UNKNOWN
+    channel_fingerprint: str | None = None
     driver_host: str = UNKNOWN
     cpu_count: int | None = None
     local_gpus: tuple[str, ...] | None = None
@@ -317,7 +327,7 @@ class NodePlan:
     omp_threads: int | None
 
     def env(
-        self, base_env: Mapping[str, str], *, run_id: str, channel: str, token: str, payload: str
+        self, base_env: Mapping[str, str], *, run_id: str, channel: str, fingerprint: str | None
     ) -> dict[str, str]:
         """The agent's environment over ``base_env`` (placeholders not yet filled)."""
         return agent_env(
@@ -325,8 +335,9 @@ class NodePlan:
             self.user_env,
             run_id=run_id,
             channel=channel,
-            token=token,
-            payload_path=payload,
+            fingerprint=fingerprint,
+            secret_path=SECRET_PATH,
+            payload_path=PAYLOAD_PATH,
             host=self.host,
             omp_threads=self.omp_threads,
             cuda_visible_devices=self.cuda_visible_devices,
@@ -338,8 +349,9 @@ class NodePlan:
         *,
         run_id: str,
         channel: str,
-        token: str,
+        fingerprint: str | None,
         payload_path: str,
+        secret_path: str,
         launcher_pid: int,
         host: str | None = None,
         rdzv_endpoint: str | None = None,
@@ -350,7 +362,7 @@ class NodePlan:
         Raises:
             ValueError: a placeholder is left without its value.
         """
-        values = {PAYLOAD_PATH: payload_path}
+        values = {PAYLOAD_PATH: payload_path, SECRET_PATH: secret_path}
         if host is not None:
             values[NODE_HOST] = host
         if rdzv_endpoint is not None:
@@ -365,9 +377,9 @@ class NodePlan:
                 raise ValueError(f"unfilled placeholder in {text!r}")
             return text
 
-        env = self.env(base_env, run_id=run_id, channel=channel, token=token, payload=PAYLOAD_PATH)
+        env = self.env(base_env, run_id=run_id, channel=channel, fingerprint=fingerprint)
         # Every value this plan wrote (over the node's own, which are left as they are).
-        ours = self.env({}, run_id=run_id, channel=channel, token=token, payload=PAYLOAD_PATH)
+        ours = self.env({}, run_id=run_id, channel=channel, fingerprint=fingerprint)
         filled = {k: fill(v) if ours.get(k) == v else v for k, v in env.items()}
         filled[LAUNCHER_PID_ENV] = str(launcher_pid)
         return AgentPlan(tuple(fill(a) for a in self.argv), filled)
@@ -383,6 +395,7 @@ class RunPlan:
         num_processes: total ranks.
         layout: nodes (agents) and ranks per node.
         channel_address: the driver's listener (or ``UNKNOWN`` in a dry run).
+        channel_fingerprint: its TLS certificate's SHA-256 (None: plain TCP).
         payload: what every rank runs, in words.
         nodes: one plan per node.
     """
@@ -394,17 +407,17 @@ class RunPlan:
     channel_address: str
     payload: str
     nodes: tuple[NodePlan, ...]
+    channel_fingerprint: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe view, the run's secret redacted (what ``--dry-run`` prints)."""
+        """A JSON-safe view (what ``--dry-run`` prints; the secret is never in a plan)."""
         nodes = []
         for node in self.nodes:
             env = node.env(
                 {},
                 run_id=self.run_id,
                 channel=self.channel_address,
-                token=REDACTED,
-                payload=PAYLOAD_PATH,
+                fingerprint=self.channel_fingerprint,
             )
             nodes.append(
                 {
@@ -423,9 +436,11 @@ class RunPlan:
             "nodes_count": self.layout.num_tasks,
             "ranks_per_node": self.layout.ranks_per_task,
             "channel_address": self.channel_address,
+            "channel_tls": self.channel_fingerprint is not None,
             "payload": self.payload,
             "placeholders": {
                 PAYLOAD_PATH: "written by the launcher where the node runs",
+                SECRET_PATH: "the run's secret, written by the launcher (mode 0600)",
                 NODE_HOST: "the barrier task's host (Spark's task infos)",
                 RDZV_ENDPOINT: "task 0's rendezvous store, learnt during the run",
                 TASK_GPUS: "the barrier task's GPU addresses (Spark's task resources)",
@@ -495,4 +510,5 @@ def plan_run(spec: Any, payload: str, facts: RunFacts) -> RunPlan:
         channel_address=facts.channel_address,
         payload=payload,
         nodes=nodes,
+        channel_fingerprint=facts.channel_fingerprint,
     )

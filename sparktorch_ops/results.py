@@ -10,6 +10,11 @@ from typing import Any
 
 import pendulum
 
+# The start of the line a rank's supervisor sends when it stopped forwarding a stream before
+# its end (a process the rank started still held the pipe open); the driver marks the run's
+# output as cut when rank 0's stdout carries it.
+OUTPUT_CUT_NOTE = "[sparktorch_ops: output cut"
+
 
 @dataclass(frozen=True)
 class RankFailure:
@@ -33,9 +38,15 @@ class RankFailure:
     output_tail: str
     timestamp: float
 
+    @property
+    def who(self) -> str:
+        """``"rank 3"``, or ``"the launch"`` for what failed outside any rank (a lost barrier
+        task, a refused stage retry)."""
+        return f"rank {self.rank}" if self.rank >= 0 else "the launch"
+
     def describe(self) -> str:
         """A short description: host, exit code or signal, reason."""
-        parts = [f"host {self.host}"]
+        parts = [f"host {self.host}"] if self.host else []
         if self.signal:
             parts.append(f"signal {self.signal}")
         elif self.exit_code is not None:
@@ -103,7 +114,11 @@ class RunResult:
         num_processes: the number of ranks.
         app_id: the Spark application id, when Spark was used.
         ui_url: the Spark UI (History Server when configured, else the live UI).
-        output_truncated: whether ``value`` (a script's stdout) was cut to its tail.
+        output_truncated: whether ``value`` (a script's stdout) is not all of it: cut to its
+            tail, or incomplete (then the value says so in a note).
+        metrics_dropped: how many of the oldest ``report()`` records were dropped to keep
+            ``metrics`` within its bound (``collector.MAX_METRIC_RECORDS``); ``on_metrics`` saw
+            them all.
     """
 
     value: Any
@@ -118,6 +133,7 @@ class RunResult:
     ui_url: str | None = None
     output_truncated: bool = False
     run_id: str = field(default="")
+    metrics_dropped: int = 0
 
     @property
     def duration(self) -> pendulum.Duration:
@@ -142,7 +158,8 @@ class RunResult:
         Keys: ``metrics`` (rank 0's latest values), ``progress``, ``duration_s``,
         ``num_processes``, ``mode``, ``app_id``, ``ui_url``, ``run_id``, ``exit_codes`` (by
         rank, as strings), ``started_at``, ``finished_at`` (ISO 8601), and
-        ``output_truncated`` when a script's output was cut.
+        ``output_truncated`` when a script's output was cut, ``metrics_dropped`` when old
+        metric records were dropped.
         """
         summary: dict[str, Any] = {
             "metrics": {k: json_scalar(v) for k, v in self.final_metrics(0).items()},
@@ -159,6 +176,8 @@ class RunResult:
         }
         if self.output_truncated:
             summary["output_truncated"] = True
+        if self.metrics_dropped:
+            summary["metrics_dropped"] = self.metrics_dropped
         return summary
 
 

@@ -371,11 +371,11 @@ def task_cpus(sc: SparkContext) -> int:
     return int(conf_value(sc, "spark.task.cpus") or "1")
 
 
-def check_barrier_conf(sc: SparkContext, *, allow_unencrypted_channel: bool) -> None:
+def check_barrier_conf(sc: SparkContext) -> None:
     """Settings that barrier mode cannot run with.
 
     Raises:
-        ConfigError: dynamic allocation on; Spark encryption on without the explicit opt-out.
+        ConfigError: dynamic allocation on.
     """
     if conf_true(sc, "spark.dynamicAllocation.enabled"):
         raise ConfigError(
@@ -384,16 +384,14 @@ def check_barrier_conf(sc: SparkContext, *, allow_unencrypted_channel: bool) -> 
             "true (Spark forbids barrier stages then); disable dynamic allocation for this "
             "application or use local_mode=True",
         )
-    encrypted = [
-        k for k in ("spark.ssl.enabled", "spark.network.crypto.enabled") if conf_true(sc, k)
-    ]
-    if encrypted and not allow_unencrypted_channel:
-        raise ConfigError(
-            "allow_unencrypted_channel",
-            f"{', '.join(encrypted)} is on but the rank -> driver channel is not encrypted "
-            "(it is authenticated by a per-run token); pass allow_unencrypted_channel=True "
-            "to accept that",
-        )
+
+
+ENCRYPTION_CONF = ("spark.ssl.enabled", "spark.network.crypto.enabled")
+
+
+def encryption_enabled(sc: SparkContext) -> tuple[str, ...]:
+    """Which of Spark's encryption settings are on (the channel then uses TLS)."""
+    return tuple(key for key in ENCRYPTION_CONF if conf_true(sc, key))
 
 
 def available_slots(sc: SparkContext) -> int:

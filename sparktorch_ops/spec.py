@@ -6,12 +6,19 @@ Validation errors are :class:`~sparktorch_ops.errors.ConfigError` naming the off
 from __future__ import annotations
 
 import datetime
+import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from sparktorch_ops.errors import ConfigError
+
+# Rank 0's pickled return value may be this large by default (max_result_bytes=).
+DEFAULT_MAX_RESULT_BYTES = 1 << 30
+# Local mode starts at most this many ranks per CPU of the driver by default
+# (max_local_processes=): more is a typo or a runaway loop, not a plan.
+LOCAL_PROCESSES_PER_CPU = 4
 
 # Environment variables torchrun sets per rank; a user value would silently break the rendezvous.
 RESERVED_ENV = frozenset(
@@ -203,6 +210,31 @@ def _check_log_ranks(log_ranks: Iterable[int] | None) -> frozenset[int] | None:
     return ranks
 
 
+def local_processes_limit(max_local_processes: int | None, cpu_count: int | None) -> int:
+    """The most ranks local mode may start: the option, else 4 per CPU of the driver."""
+    if max_local_processes is not None:
+        return max_local_processes
+    return LOCAL_PROCESSES_PER_CPU * (cpu_count or 1)
+
+
+def _check_local_processes(num_processes: int, max_local_processes: int | None) -> None:
+    cpus = os.cpu_count()
+    limit = local_processes_limit(max_local_processes, cpus)
+    if num_processes <= limit:
+        return
+    why = (
+        f"max_local_processes={max_local_processes}"
+        if max_local_processes is not None
+        else f"the local-mode limit of {LOCAL_PROCESSES_PER_CPU} per CPU, this machine has "
+        f"{cpus or 1} CPUs"
+    )
+    raise ConfigError(
+        "num_processes",
+        f"{num_processes} ranks in local mode is more than {limit} ({why}); pass "
+        "max_local_processes= to allow more, or local_mode=False to run on the Spark cluster",
+    )
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """Every option of a launch, validated at construction.
@@ -220,8 +252,16 @@ class LaunchSpec:
         logger: where rank output goes: anything with ``log(level, msg, *args)``.
         on_metrics: called with each :class:`MetricRecord` as it arrives.
         on_event: called with each :class:`~sparktorch_ops.events.PhaseEvent` of the run.
-        allow_unencrypted_channel: run even though Spark's encryption is on (like pyspark's
-            ``ignoreSsl``); the channel itself is authenticated by a token but not encrypted.
+        allow_unencrypted_channel: keep the rank -> driver channel plain TCP even though
+            Spark's encryption is on (by default it then uses TLS with a per-run certificate);
+            it stays authenticated by challenge and response either way.
+        max_result_bytes: the largest pickled return value rank 0 may send (default 1 GiB);
+            a larger one fails the run with
+            :class:`~sparktorch_ops.errors.ResultTooLargeError`, and the driver stops reading
+            it as soon as it passes the limit.
+        max_local_processes: the most ranks local mode may start (default
+            ``LOCAL_PROCESSES_PER_CPU`` (4) times the driver's CPU count); more is a
+            ConfigError naming ``num_processes`` before anything starts.
     """
 
     num_processes: int = 1
@@ -237,6 +277,8 @@ class LaunchSpec:
     on_metrics: Callable[[Any], None] | None = None
     on_event: Callable[[Any], None] | None = None
     allow_unencrypted_channel: bool = False
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
+    max_local_processes: int | None = None
 
     def __post_init__(self) -> None:
         _require_int("num_processes", self.num_processes, 1)
@@ -244,6 +286,11 @@ class LaunchSpec:
         _require_bool("use_gpu", self.use_gpu)
         _require_int("max_restarts", self.max_restarts, 0)
         _require_bool("allow_unencrypted_channel", self.allow_unencrypted_channel)
+        _require_int("max_result_bytes", self.max_result_bytes, 1)
+        if self.max_local_processes is not None:
+            _require_int("max_local_processes", self.max_local_processes, 1)
+        if self.local_mode:
+            _check_local_processes(self.num_processes, self.max_local_processes)
         object.__setattr__(self, "env", _check_env(self.env))
         object.__setattr__(self, "torchrun_args", _check_torchrun_args(self.torchrun_args))
         object.__setattr__(self, "start_timeout", to_seconds("start_timeout", self.start_timeout))

@@ -26,11 +26,12 @@ from sparktorch_ops.messages import FailureReport, Hello
 from sparktorch_ops.payload import read_rank_payload
 from sparktorch_ops.planning import (
     CHANNEL_ENV,
+    FINGERPRINT_ENV,
     NODE_HOST_ENV,
     NVML_CHECK_ADDED_ENV,
     NVML_CUDA_CHECK_ENV,
     PAYLOAD_ENV,
-    TOKEN_ENV,
+    SECRET_FILE_ENV,
 )
 from sparktorch_ops.process import exit_status, finish_like_an_interpreter, set_process_name
 
@@ -75,13 +76,24 @@ def run_payload(record: dict[str, Any], client: channel.ChannelClient, rank: int
     return 0
 
 
-def main() -> int:
-    """Run this rank's payload and report it; returns the exit code."""
+def main(secret: str | None = None) -> int:
+    """Run this rank's payload and report it; returns the exit code.
+
+    Args:
+        secret: the run's secret, when the supervisor forked this process (else read from
+            the file the launcher wrote).
+    """
     set_process_name(f"torch-rank-{os.environ['RANK']}")
     if os.environ.pop(NVML_CHECK_ADDED_ENV, None):
         os.environ.pop(NVML_CUDA_CHECK_ENV, None)  # the agent's setting, not the user's
+    # The user's code must not find the way to the secret in its environment either.
+    secret_path = os.environ.pop(SECRET_FILE_ENV)
+    if secret is None:
+        secret = channel.read_secret_file(secret_path)
     hello = _hello()
-    client = channel.ChannelClient.connect(os.environ[CHANNEL_ENV], os.environ[TOKEN_ENV], hello)
+    client = channel.ChannelClient.connect(
+        os.environ[CHANNEL_ENV], secret, hello, fingerprint=os.environ.get(FINGERPRINT_ENV)
+    )
     reporting.install(client)
     try:
         assert hello.rank is not None
@@ -142,10 +154,10 @@ def _start_like_a_fresh_interpreter() -> None:
         torch.set_num_threads(int(threads))
 
 
-def run_forked() -> int:
+def run_forked(secret: str) -> int:
     """The rank process's entry in a child forked from the supervisor. Returns the exit code."""
     _start_like_a_fresh_interpreter()
-    code = main()
+    code = main(secret)
     finish_like_an_interpreter()
     return code
 

@@ -27,6 +27,7 @@ from sparktorch_ops.errors import ConfigError, SparkTorchError
 from sparktorch_ops.job import CancelToken, build_job
 from sparktorch_ops.outcome import outcome_of
 from sparktorch_ops.spark import SparkSettings
+from sparktorch_ops.spec import DEFAULT_MAX_RESULT_BYTES
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -77,6 +78,8 @@ class TorchDistributorOperator(BaseOperator):
         start_timeout: seconds (or a timedelta) to wait for slots, executors and rendezvous.
         torchrun_args: further torchrun options.
         log_ranks: ranks whose output goes to the task log (default: all).
+        max_result_bytes, max_local_processes, allow_unencrypted_channel: as for
+            :class:`~sparktorch_ops.TorchDistributor` (the same defaults).
         result_location: where large or non-JSON values go (templated): a directory or an
             ObjectStoragePath / fsspec URL. Default: ``[sparktorch_ops] result_location``, else
             ``$AIRFLOW_HOME/sparktorch_ops/results``. Each try writes a new object there (never
@@ -120,6 +123,9 @@ class TorchDistributorOperator(BaseOperator):
         start_timeout: float | datetime.timedelta | None = None,
         torchrun_args: Sequence[str] | None = None,
         log_ranks: Sequence[int] | None = None,
+        max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+        max_local_processes: int | None = None,
+        allow_unencrypted_channel: bool = False,
         result_location: str | None = None,
         max_xcom_value_bytes: int | None = None,
         **kwargs: Any,
@@ -143,6 +149,9 @@ class TorchDistributorOperator(BaseOperator):
         self.start_timeout = start_timeout
         self.torchrun_args = list(torchrun_args) if torchrun_args is not None else None
         self.log_ranks = list(log_ranks) if log_ranks is not None else None
+        self.max_result_bytes = max_result_bytes
+        self.max_local_processes = max_local_processes
+        self.allow_unencrypted_channel = allow_unencrypted_channel
         self.result_location = result_location
         self.max_xcom_value_bytes = max_xcom_value_bytes
         # Read by SparkUILink when the task ends; None: not known in this process.
@@ -169,6 +178,9 @@ class TorchDistributorOperator(BaseOperator):
                 timeout=self.timeout,
                 start_timeout=self.start_timeout,
                 log_ranks=self.log_ranks,
+                allow_unencrypted_channel=self.allow_unencrypted_channel,
+                max_result_bytes=self.max_result_bytes,
+                max_local_processes=self.max_local_processes,
                 logger=self.log,
                 on_metrics=self._on_metrics,
                 on_event=lambda event: self._on_event(event, context),

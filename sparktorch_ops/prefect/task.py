@@ -43,6 +43,7 @@ from sparktorch_ops.prefect.results import (
 )
 from sparktorch_ops.results import latest_values
 from sparktorch_ops.spark import SparkSettings
+from sparktorch_ops.spec import DEFAULT_MAX_RESULT_BYTES
 
 TrainObject = Callable[..., Any] | str | os.PathLike[str]
 
@@ -93,6 +94,9 @@ def run_torch_distributor(
     timeout: float | datetime.timedelta | None = None,
     start_timeout: float | datetime.timedelta | None = None,
     log_ranks: Sequence[int] | None = None,
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+    max_local_processes: int | None = None,
+    allow_unencrypted_channel: bool = False,
     artifact_key: str | None = None,
     artifacts: bool = True,
 ) -> Any:
@@ -131,6 +135,8 @@ def run_torch_distributor(
         start_timeout: seconds (or a timedelta) to wait for slots, executors and the
             rendezvous.
         log_ranks: ranks whose output goes to the log (default: all).
+        max_result_bytes, max_local_processes, allow_unencrypted_channel: as for
+            :class:`~sparktorch_ops.TorchDistributor` (the same defaults).
         artifact_key: prefix of the artifact keys (lowercase letters, numbers, dashes);
             default: derived from the task name.
         artifacts: set False to create no artifacts.
@@ -177,6 +183,9 @@ def run_torch_distributor(
         timeout=timeout,
         start_timeout=start_timeout,
         log_ranks=log_ranks,
+        allow_unencrypted_channel=allow_unencrypted_channel,
+        max_result_bytes=max_result_bytes,
+        max_local_processes=max_local_processes,
         logger=logger,
         on_metrics=recorder.on_metrics if recorder is not None else None,
         on_event=on_event,

@@ -15,15 +15,7 @@ import pytest
 
 from sparktorch_ops import TorchDistributor
 from tests.support.procs import processes_with_marker
-
-
-class Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+from tests.support.records import Collect
 
 
 @pytest.fixture

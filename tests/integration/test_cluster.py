@@ -157,9 +157,8 @@ def _other_cpython() -> tuple[str, str] | None:
     return None
 
 
-def test_barrier_conf_problems_are_clear_errors(tmp_path: Path) -> None:
-    """Dynamic allocation, and Spark encryption without the explicit opt-out: both fail before
-    launch, naming the argument to change."""
+def test_dynamic_allocation_is_a_clear_error(tmp_path: Path) -> None:
+    """Dynamic allocation fails before launch, naming the argument to change."""
     result, output = _attempt_barrier_runs(
         tmp_path,
         {
@@ -170,21 +169,53 @@ def test_barrier_conf_problems_are_clear_errors(tmp_path: Path) -> None:
                     "spark.shuffle.service.enabled": "false",
                 },
             ),
-            "crypto": (
-                sys.executable,
-                {
-                    "spark.authenticate": "true",
-                    "spark.authenticate.secret": "s",
-                    "spark.network.crypto.enabled": "true",
-                },
-            ),
         },
     )
     assert result["dynamic"]["argument"] == "local_mode", output[-3000:]
     assert "dynamicAllocation" in result["dynamic"]["error"]
-    assert result["crypto"]["argument"] == "allow_unencrypted_channel"
-    assert "spark.network.crypto.enabled" in result["crypto"]["error"]
-    assert "allow_unencrypted_channel=True" in result["crypto"]["error"]
+
+
+def test_spark_encryption_puts_the_channel_under_tls(tmp_path: Path) -> None:
+    """spark.network.crypto.enabled=true: the barrier run's channel is TLS, pinned by the
+    fingerprint the ranks carry, and the run returns rank 0's value; the explicit opt-out keeps
+    it plain."""
+    result, output = run_driver(
+        tmp_path,
+        """
+import os
+from pyspark.sql import SparkSession
+from sparktorch_ops import TorchDistributor
+from sparktorch_ops.planning import FINGERPRINT_ENV
+
+spark = (SparkSession.builder.master("local[2]").config("spark.driver.host", "127.0.0.1")
+         .config("spark.authenticate", "true").config("spark.authenticate.secret", "s")
+         .config("spark.network.crypto.enabled", "true")
+         .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+
+def all_reduce():
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return {"sum": t.item(), "pinned": os.environ.get(FINGERPRINT_ENV, "")}
+
+out = {}
+for opt_out in (False, True):
+    opened = []
+    d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark,
+                         allow_unencrypted_channel=opt_out,
+                         on_event=lambda e: opened.append(e.detail.get("tls"))
+                         if e.name == "channel_open" else None)
+    value = d.run(all_reduce)
+    out[str(opt_out)] = {"value": value, "tls": opened}
+emit(out)
+""",
+    )
+    encrypted, plain = result["False"], result["True"]
+    assert encrypted["tls"] == [True], output[-3000:]
+    assert encrypted["value"]["sum"] == 3.0 and len(encrypted["value"]["pinned"]) == 64
+    assert plain["tls"] == [False] and plain["value"] == {"sum": 3.0, "pinned": ""}
 
 
 def test_executor_python_without_torch_is_a_clear_error(tmp_path: Path) -> None:

@@ -56,6 +56,20 @@ class Cluster:
         return [p.pid for p in self.processes[1:]]
 
 
+def stop_process_groups(processes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each process group (last started first), SIGKILL what is left after 20 s."""
+    for proc in reversed(processes):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in processes:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def _wait_for_workers(web_ui: str, workers: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -132,13 +146,4 @@ def start_cluster(workdir: Path, workers: int = 2, cores: int = 1) -> Iterator[C
         _wait_for_workers(web_ui, workers, timeout=120)
         yield Cluster(master_url, web_ui, workdir, processes)
     finally:
-        for proc in reversed(processes):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in processes:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process_groups(processes)

@@ -36,6 +36,16 @@ def test_training_failed_error_names_root_cause_and_collateral() -> None:
     assert [f.rank for f in error.collateral] == [0]
 
 
+def test_a_failure_outside_any_rank_is_named_as_the_launch() -> None:
+    lost = RankFailure(
+        rank=-1, host="", exit_code=None, signal=None,
+        reason="barrier task 1 on w1 was lost", output_tail="", timestamp=1.0,
+    )  # fmt: skip
+    assert str(TrainingFailedError([lost])).startswith(
+        "the launch failed first (barrier task 1 on w1 was lost)"
+    )
+
+
 def test_all_errors_pickle_round_trip() -> None:
     errors = [
         TrainingFailedError([_failure(1, 3)], "torchrun exited with code 1"),

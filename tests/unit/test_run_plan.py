@@ -44,8 +44,9 @@ def test_local_plan_is_one_node_with_every_rank() -> None:
     )  # fmt: skip
     assert (node.host, node.cuda_visible_devices, node.omp_threads) == ("driver", None, 2)
     agent = node.bind(
-        {"PATH": "/bin"}, run_id="run1", channel=plan.channel_address, token="t",
-        payload_path="/w/payload.pkl", launcher_pid=42,
+        {"PATH": "/bin"}, run_id="run1", channel=plan.channel_address,
+        fingerprint=None, payload_path="/w/payload.pkl", secret_path="/w/channel.secret",
+        launcher_pid=42,
     )  # fmt: skip
     assert agent.argv == node.argv
     assert agent.env == {
@@ -53,7 +54,7 @@ def test_local_plan_is_one_node_with_every_rank() -> None:
         "A": "1",
         planning.RUN_ID_ENV: "run1",
         planning.CHANNEL_ENV: "10.0.0.1:5000",
-        planning.TOKEN_ENV: "t",
+        planning.SECRET_FILE_ENV: "/w/channel.secret",
         planning.PAYLOAD_ENV: "/w/payload.pkl",
         planning.NODE_HOST_ENV: "driver",
         planning.LAUNCHER_PID_ENV: "42",
@@ -86,15 +87,20 @@ def test_barrier_plan_has_one_node_per_task_with_placeholders_bound_in_the_task(
     )  # fmt: skip
     assert (node.host, node.cuda_visible_devices, node.omp_threads) == (NODE_HOST, TASK_GPUS, 2)
     agent = node.bind(
-        {"OMP_NUM_THREADS": "3"}, run_id="r", channel="d:1", token="t", payload_path="/p",
-        launcher_pid=7, host="w2", rdzv_endpoint="w0:999", gpus=["0", "1"],
+        {"OMP_NUM_THREADS": "3"}, run_id="r", channel="d:1", fingerprint="f1",
+        payload_path="/p", secret_path="/s", launcher_pid=7, host="w2", rdzv_endpoint="w0:999", gpus=["0", "1"],
     )  # fmt: skip
     assert "--rdzv-endpoint=w0:999" in agent.argv and "--local-addr=w2" in agent.argv
     assert agent.env["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert agent.env[planning.NODE_HOST_ENV] == "w2"
     assert agent.env["OMP_NUM_THREADS"] == "3"  # the node's own setting wins
+    assert agent.env[planning.FINGERPRINT_ENV] == "f1"
+    assert agent.env[planning.SECRET_FILE_ENV] == "/s"
     with pytest.raises(ValueError, match="unfilled placeholder"):
-        node.bind({}, run_id="r", channel="d:1", token="t", payload_path="/p", launcher_pid=7)
+        node.bind(
+            {}, run_id="r", channel="d:1", fingerprint=None, payload_path="/p",
+            secret_path="/s", launcher_pid=7,
+        )  # fmt: skip
 
 
 def test_barrier_plan_without_a_gpu_amount_is_the_same_resource_error_as_a_run() -> None:
@@ -108,7 +114,8 @@ def test_dry_run_view_is_json_and_never_holds_the_secret() -> None:
     view = plan_run(spec, "train.py --lr=1 (script)", FACTS).to_dict()
     text = json.dumps(view)
     assert view["nodes_count"] == 2 and view["payload"] == "train.py --lr=1 (script)"
-    assert view["nodes"][0]["env"][planning.TOKEN_ENV] == planning.REDACTED
+    assert view["nodes"][0]["env"][planning.SECRET_FILE_ENV] == planning.SECRET_PATH
+    assert planning.FINGERPRINT_ENV not in view["nodes"][0]["env"] and not view["channel_tls"]
     assert view["nodes"][0]["env"][planning.PAYLOAD_ENV] == PAYLOAD_PATH
     assert view["nodes"][1]["env"]["X"] == "y"
     assert PAYLOAD_PATH in view["placeholders"]
@@ -120,7 +127,7 @@ def test_bind_fills_placeholders_even_over_a_nested_runs_variables() -> None:
     node = plan_run(spec, "f", FACTS).nodes[0]
     outer = {planning.PAYLOAD_ENV: "/outer/payload.pkl", planning.NODE_HOST_ENV: "outer"}
     agent = node.bind(
-        outer, run_id="run1", channel="d:1", token="t", payload_path="/p", launcher_pid=1,
-        host="w0", rdzv_endpoint="w0:1",
+        outer, run_id="run1", channel="d:1", fingerprint=None, payload_path="/p",
+        secret_path="/s", launcher_pid=1, host="w0", rdzv_endpoint="w0:1",
     )  # fmt: skip
     assert agent.env[planning.PAYLOAD_ENV] == "/p" and agent.env[planning.NODE_HOST_ENV] == "w0"
