@@ -31,20 +31,24 @@ from typing import Any
 from sparktorch_ops import channel, events
 from sparktorch_ops.errors import ResultTooLargeError
 from sparktorch_ops.messages import (
+    DATA,
     EXIT,
     FAILURE,
     METRIC,
     RDZV,
     RESULT_CHUNK,
     RESULT_END,
+    SHARDS,
     STDERR,
     STDOUT,
+    DataLayout,
     ExitReport,
     FailureReport,
     Hello,
     MetricReport,
     RendezvousPort,
     ResultEnd,
+    ShardSizes,
 )
 from sparktorch_ops.results import OUTPUT_CUT_NOTE, MetricRecord, RankFailure
 
@@ -212,6 +216,8 @@ class RunCollector(channel.ChannelHandler):
         self.nodes_seen: set[int] = set()
         self._node_peers: dict[int, channel.Peer] = {}
         self._rendezvous: RendezvousPort | None = None
+        self._data_nodes: int | None = None
+        self._shards: dict[int, list[int]] = {}
         self._retried = False
         self.lost_nodes: dict[int, str] = {}
 
@@ -259,6 +265,8 @@ class RunCollector(channel.ChannelHandler):
             assert hello.node is not None
             if kind == RDZV:
                 self._rendezvous_ready(RendezvousPort.decode(payload))
+            elif kind == SHARDS:
+                self._shards_written(hello.node, ShardSizes.decode(payload))
             elif kind == EXIT:
                 code = ExitReport.decode(payload).exit_code
                 with self._lock:
@@ -320,6 +328,38 @@ class RunCollector(channel.ChannelHandler):
         for node_peer in peers:
             node_peer.reply(RDZV, port.encode())
         self._on_phase(events.RENDEZVOUS_READY, node=0, port=port.port)
+
+    def expect_shards(self, tasks: int) -> None:
+        """Barrier mode with DataFrame input: ``tasks`` tasks will report shard sizes."""
+        self._data_nodes = tasks
+
+    def data_ready(self, rows: int) -> None:
+        """Local mode: the driver wrote every rank's shard."""
+        self._on_phase(events.DATA_READY, rows=rows)
+
+    def _shards_written(self, node: int, sizes: ShardSizes) -> None:
+        """Once every task wrote its shards: tell each the rows per rank per epoch (the
+        largest shard), or fail the run when a rank got no rows at all."""
+        with self._lock:
+            self._shards[node] = list(sizes.rows)
+            if self._data_nodes is None or len(self._shards) < self._data_nodes:
+                return
+            shards = dict(self._shards)
+            peers = list(self._node_peers.values())
+        empty = [f"task {n}" for n, rows in sorted(shards.items()) if min(rows) == 0]
+        if empty:
+            layout = DataLayout(
+                error=f"{', '.join(empty)} got no rows for some rank: the DataFrame has fewer "
+                "rows than ranks, or its partitions are too skewed to share out"
+            )
+        else:
+            layout = DataLayout(epoch_rows=max(max(rows) for rows in shards.values()))
+        for node_peer in peers:
+            node_peer.reply(DATA, layout.encode())
+        if layout.error is not None:
+            self._fail(AGENT, layout.error)
+            return
+        self._on_phase(events.DATA_READY, rows=sum(map(sum, shards.values())))
 
     # -- state -------------------------------------------------------------------------------
     def _new_attempt(self, attempt: int) -> None:

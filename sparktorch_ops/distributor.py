@@ -27,6 +27,7 @@ from sparktorch_ops import errors, events
 from sparktorch_ops import spark as spark_support
 from sparktorch_ops.channel import ChannelServer
 from sparktorch_ops.collector import RunCollector
+from sparktorch_ops.dataframe import DataInput, PreparedInput, check_dataframe, prepare_input
 from sparktorch_ops.events import RunState, RunStateMachine
 from sparktorch_ops.job import CancelToken, TrainingJob
 from sparktorch_ops.launchers import BarrierLauncher, Launcher, LocalLauncher
@@ -211,12 +212,17 @@ class TorchDistributor:
         return self._job(CancelToken(), train_object, args, kwargs)
 
     def _job(
-        self, token: CancelToken, train_object: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        token: CancelToken,
+        train_object: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        data: DataInput | None = None,
     ) -> TrainingJob:
         if isinstance(train_object, os.PathLike):
             train_object = os.fspath(train_object)
         settings = SparkSettings(session=self.spark, stop_created_session=False)
-        return TrainingJob(train_object, args, kwargs, self.spec, settings, token)
+        return TrainingJob(train_object, args, kwargs, self.spec, settings, token, data=data)
 
     def run(
         self, train_object: Callable[..., Any] | str | os.PathLike[str], *args: Any, **kwargs: Any
@@ -248,6 +254,40 @@ class TorchDistributor:
         self._tokens.append(token)  # from here on, cancel() reaches this run (packing too)
         try:
             return launch_job(self._job(token, train_object, args, kwargs))
+        finally:
+            self._tokens.remove(token)
+
+    def train_on_dataframe(
+        self, train_function: Callable[..., Any] | str, dataframe: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        """Run ``train_function`` on every rank with ``dataframe`` shared out; return rank 0's
+        result.
+
+        The DataFrame is checked first (one Spark job: an empty DataFrame, or a column that
+        cannot become a tensor, is a ``ConfigError`` naming it), then laid out over the ranks
+        whatever its partitioning: each rank reads its own shard with
+        :func:`sparktorch_ops.data.partition_loader` (or pyspark's
+        ``_get_spark_partition_data_loader``). Every rank has the same rows per epoch.
+        ``_train_on_dataframe`` is the same method, under pyspark's name.
+
+        Raises:
+            As :meth:`run`.
+        """
+        return self.launch_on_dataframe(train_function, dataframe, *args, **kwargs).value
+
+    _train_on_dataframe = train_on_dataframe
+
+    def launch_on_dataframe(
+        self, train_function: Callable[..., Any] | str, dataframe: Any, *args: Any, **kwargs: Any
+    ) -> RunResult:
+        """Like :meth:`train_on_dataframe`, but return the whole :class:`RunResult` (its
+        ``input`` holds the rows and columns trained on)."""
+        check_dataframe(dataframe)
+        token = CancelToken()
+        self._tokens.append(token)
+        try:
+            data = DataInput(dataframe=dataframe)
+            return launch_job(self._job(token, train_function, args, kwargs, data))
         finally:
             self._tokens.remove(token)
 
@@ -387,6 +427,8 @@ class _Run:
         started = time.monotonic()
         machine.to(RunState.PREPARING)
         machine.emit(events.PAYLOAD_PACKED, payload=describe(self.job.payload))
+        if spec.local_mode and self.job.data is not None:
+            return self._launch_local_on_data(started_at, started)
         if spec.local_mode:
             if self.job.spark.configured:
                 self.log.warning(
@@ -407,12 +449,40 @@ class _Run:
             )
             self._check_cancelled()
             self._preflight(sc)
-            return self._launch(started_at, started, sc, None)
+            data = self._prepare_data(handle.session)
+            return self._launch(started_at, started, sc, None, data)
         finally:
             try:
                 spark_support.stop_session(handle)
             except Exception:  # must not hide the run's own outcome
                 self.log.warning("sparktorch_ops: could not stop Spark", exc_info=True)
+
+    def _launch_local_on_data(self, started_at: pendulum.DateTime, started: float) -> RunResult:
+        """Local mode with DataFrame input: the DataFrame's own session (or one from the
+        job's settings for SQL, a table or a path) streams it to the driver."""
+        data = self.job.data
+        assert data is not None
+        if data.dataframe is not None:
+            prepared = self._prepare_data(data.dataframe.sparkSession)
+            return self._launch(started_at, started, None, self._local_gpus(), prepared)
+        handle = spark_support.get_session(self.job.spark, self.log)
+        try:
+            prepared = self._prepare_data(handle.session)
+            return self._launch(started_at, started, None, self._local_gpus(), prepared)
+        finally:
+            try:
+                spark_support.stop_session(handle)
+            except Exception:  # must not hide the run's own outcome
+                self.log.warning("sparktorch_ops: could not stop Spark", exc_info=True)
+
+    def _prepare_data(self, session: Any) -> PreparedInput | None:
+        """Resolve and check the job's DataFrame input (one Spark job), if it has any."""
+        if self.job.data is None:
+            return None
+        prepared = prepare_input(self.job.data, session)
+        self.machine.emit(events.INPUT_CHECKED, **prepared.facts.summary())
+        self._check_cancelled()
+        return prepared
 
     def _local_gpus(self) -> tuple[str, ...] | None:
         spec = self.spec
@@ -460,6 +530,7 @@ class _Run:
         started: float,
         sc: Any,
         local_gpus: tuple[str, ...] | None,
+        data: PreparedInput | None = None,
     ) -> RunResult:
         spec, machine = self.spec, self.machine
         payload = self.job.payload
@@ -501,9 +572,13 @@ class _Run:
             self._check_cancelled()
             machine.to(RunState.STARTING)
             if sc is None:
-                launcher = LocalLauncher(plan, payload, secret, collector)
+                launcher = LocalLauncher(plan, payload, secret, collector, data)
             else:
-                launcher = BarrierLauncher(plan, payload, secret, sc, release=server.close)
+                if data is not None:
+                    collector.expect_shards(plan.layout.num_tasks)
+                launcher = BarrierLauncher(
+                    plan, payload, secret, sc, release=server.close, data=data
+                )
             launcher.start()
             machine.emit(events.LAUNCHER_STARTED)
             self.log.info(
@@ -546,6 +621,9 @@ class _Run:
             ui_url=spark_support.ui_url(sc) if sc is not None else None,
             output_truncated=collector.output_truncated,
             run_id=self.run_id,
+            input=(
+                {**data.facts.summary(), "source": data.description} if data is not None else None
+            ),
         )
 
     def _on_phase(self, collector: RunCollector, name: str, **where: Any) -> None:

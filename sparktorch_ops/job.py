@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from sparktorch_ops.dataframe import DataInput
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.payload import WRAPPER_NAMES, ArgumentNames, Payload, prepare
 from sparktorch_ops.spark import SparkSettings
@@ -60,6 +61,7 @@ class TrainingJob:
         spark: where the Spark session of a barrier-mode run comes from.
         cancel_token: cancels this job whenever it is called.
         names: what the caller calls train/args/kwargs (for error messages).
+        data: what the ranks train on, as shards of a DataFrame (None: no DataFrame input).
         payload: what the ranks run (packed at construction).
     """
 
@@ -70,6 +72,7 @@ class TrainingJob:
     spark: SparkSettings = field(default_factory=SparkSettings)
     cancel_token: CancelToken = field(default_factory=CancelToken, compare=False)
     names: ArgumentNames = field(default_factory=ArgumentNames, repr=False)
+    data: DataInput | None = None
     payload: Payload = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +80,8 @@ class TrainingJob:
             raise ConfigError("options", f"must be a LaunchSpec, got {self.options!r}")
         if not isinstance(self.spark, SparkSettings):
             raise ConfigError("spark", f"must be SparkSettings, got {self.spark!r}")
+        if self.data is not None and not isinstance(self.data, DataInput):
+            raise ConfigError("data", f"must be a DataInput, got {self.data!r}")
         object.__setattr__(self, "payload", prepare(self.train, self.args, self.kwargs, self.names))
         object.__setattr__(self, "args", tuple(self.args))
         object.__setattr__(self, "kwargs", dict(self.kwargs))
@@ -112,6 +117,7 @@ def build_job(
     train_kwargs: Mapping[str, Any] | None = None,
     spark: SparkSettings | None = None,
     cancel_token: CancelToken | None = None,
+    data: DataInput | None = None,
     **options: Any,
 ) -> TrainingJob:
     """A job from an orchestrator's parameters, after templating.
@@ -127,6 +133,7 @@ def build_job(
         train_kwargs: its keyword arguments.
         spark: where the session of a barrier-mode run comes from.
         cancel_token: made by the wrapper up front, so an early cancel is not lost.
+        data: DataFrame input (a DataFrame, or SQL, a table or a path), or None.
         **options: :class:`~sparktorch_ops.spec.LaunchSpec` options (``num_processes``,
             ``local_mode``, ``use_gpu``, ``env``, ``logger``, ``on_metrics``, ...).
 
@@ -155,6 +162,7 @@ def build_job(
         spark=spark if spark is not None else SparkSettings(),
         cancel_token=cancel_token if cancel_token is not None else CancelToken(),
         names=WRAPPER_NAMES,
+        data=data,
     )
 
 

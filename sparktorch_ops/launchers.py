@@ -19,10 +19,19 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from sparktorch_ops.barrier import BarrierTask, TaskReport
+from sparktorch_ops.barrier import REPORT_DDL, BarrierTask, TaskReport, data_task_reports
 from sparktorch_ops.channel import write_secret_file
 from sparktorch_ops.collector import RunCollector
-from sparktorch_ops.errors import SparkJobKilledError
+from sparktorch_ops.data import (
+    DATA_DIR_ENV,
+    EPOCH_ROWS_ENV,
+    SCHEMA_FILE_ENV,
+    epoch_rows,
+    write_schema_file,
+    write_shards,
+)
+from sparktorch_ops.dataframe import PreparedInput, stream_batches
+from sparktorch_ops.errors import ConfigError, SparkJobKilledError
 from sparktorch_ops.payload import Payload, write_rank_payload
 from sparktorch_ops.planning import RUN_ID_ENV, RunPlan
 from sparktorch_ops.process import AgentProcess, marked_processes, terminate_processes
@@ -51,9 +60,15 @@ class LocalLauncher:
     """One torchrun agent on the driver, with every rank."""
 
     def __init__(
-        self, plan: RunPlan, payload: Payload, secret: str, collector: RunCollector
+        self,
+        plan: RunPlan,
+        payload: Payload,
+        secret: str,
+        collector: RunCollector,
+        data: PreparedInput | None = None,
     ) -> None:
         (self._node,) = plan.nodes
+        self._data = data
         self._plan = plan
         self._payload = payload
         self._secret = secret
@@ -75,6 +90,7 @@ class LocalLauncher:
                 secret_path=write_secret_file(self._workdir, self._secret),
                 launcher_pid=os.getpid(),
             )
+            env = {**agent.env, **self._write_data(self._workdir)}
         except BaseException:
             # A write that failed (a full disk) leaves neither the directory nor the secret.
             shutil.rmtree(self._workdir, ignore_errors=True)
@@ -82,11 +98,36 @@ class LocalLauncher:
             raise
         self._agent = AgentProcess(
             agent.argv,
-            agent.env,
+            env,
             None,
             on_stdout=self._collector.agent_output(0, node.host, stderr=False),
             on_stderr=self._collector.agent_output(0, node.host, stderr=True),
         )
+
+    def _write_data(self, workdir: str) -> dict[str, str]:
+        """DataFrame input: stream it here and share it out, one shard per rank."""
+        if self._data is None:
+            return {}
+        directory = os.path.join(workdir, "data")
+        os.makedirs(directory)
+        shards = write_shards(
+            stream_batches(self._data.dataframe),
+            self._data.arrow_schema,
+            directory,
+            self._plan.num_processes,
+        )
+        if min(shard.rows for shard in shards) == 0:
+            raise ConfigError(
+                "dataframe",
+                f"has {self._data.facts.rows} rows for {self._plan.num_processes} ranks: "
+                "every rank needs at least one row",
+            )
+        self._collector.data_ready(sum(shard.rows for shard in shards))
+        return {
+            DATA_DIR_ENV: directory,
+            SCHEMA_FILE_ENV: write_schema_file(self._data.facts.schema_json, workdir),
+            EPOCH_ROWS_ENV: str(epoch_rows(shard.rows for shard in shards)),
+        }
 
     def poll(self) -> tuple[int, str] | None:
         """The agent's exit status once it is gone."""
@@ -120,6 +161,7 @@ class BarrierLauncher:
         payload: what the ranks run.
         secret: the run's secret (inside the Spark task, never in an environment).
         sc: the SparkContext.
+        data: DataFrame input, laid out over the tasks (None: none).
         release: closes the driver's channel. Task 0 hosts the rendezvous store and keeps it
             until the driver says the run is over; closing the channel is how it says it.
     """
@@ -131,9 +173,16 @@ class BarrierLauncher:
         secret: str,
         sc: SparkContext,
         release: Callable[[], None],
+        data: PreparedInput | None = None,
     ) -> None:
         self._plan = plan
-        self._task = BarrierTask(plan=plan, secret=secret, payload=payload)
+        self._data = data
+        self._task = BarrierTask(
+            plan=plan,
+            secret=secret,
+            payload=payload,
+            data_schema=data.facts.schema_json if data is not None else None,
+        )
         self._sc = sc
         self._release = release
         self._reports: list[TaskReport] | None = None
@@ -163,8 +212,15 @@ class BarrierLauncher:
                 f"sparktorch_ops {plan.run_id}: {plan.num_processes} ranks",
             )
             num_tasks = plan.layout.num_tasks
-            rdd = sc.parallelize(range(num_tasks), num_tasks).barrier()
-            self._reports = rdd.mapPartitions(self._task).collect()
+            if self._data is not None:
+                frame = self._data.laid_out(num_tasks)
+                rows = frame.mapInArrow(
+                    data_task_reports(self._task), REPORT_DDL, barrier=True
+                ).collect()
+                self._reports = [TaskReport(**row.asDict()) for row in rows]
+            else:
+                rdd = sc.parallelize(range(num_tasks), num_tasks).barrier()
+                self._reports = rdd.mapPartitions(self._task).collect()
         except BaseException as exc:  # reported by poll()
             try:
                 message = _java_message(exc)

@@ -24,6 +24,8 @@ FAILURE = 8
 RDZV = 9  # task 0 -> driver: its rendezvous store's port; driver -> every task: the same
 CHALLENGE = 10  # driver -> client, first: a nonce the HELLO must answer (see channel)
 WELCOME = 11  # driver -> client: proof that the driver holds the run's secret
+SHARDS = 12  # barrier task -> driver: the sizes of the data shards it wrote for its ranks
+DATA = 13  # driver -> every task: rows per rank per epoch, once every task has its shards
 
 Role = Literal["node", "supervisor", "worker"]
 ROLES = ("node", "supervisor", "worker")
@@ -243,3 +245,41 @@ class RendezvousPort(Message):
             raise MessageError("RendezvousPort: exactly one of port and error")
         if self.port is not None and not 0 < self.port < 65536:
             raise MessageError(f"RendezvousPort: bad port {self.port}")
+
+
+@dataclass(frozen=True)
+class ShardSizes(Message):
+    """The rows of each shard a barrier task wrote for its ranks (DataFrame input)."""
+
+    KIND: ClassVar[int] = SHARDS
+    rows: list[int] = field(default_factory=list)
+
+    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {"rows": (list, False)}
+
+    def validate(self) -> None:
+        """Non-negative integers, at least one."""
+        if not self.rows or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.rows
+        ):
+            raise MessageError(f"ShardSizes.rows must be non-negative integers: {self.rows!r}")
+
+
+@dataclass(frozen=True)
+class DataLayout(Message):
+    """Rows every rank yields per epoch (the largest shard), or why the data cannot run."""
+
+    KIND: ClassVar[int] = DATA
+    epoch_rows: int | None = None
+    error: str | None = None
+
+    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {
+        "epoch_rows": (int, True),
+        "error": (str, True),
+    }
+
+    def validate(self) -> None:
+        """Exactly one of a positive epoch_rows and error."""
+        if (self.epoch_rows is None) == (self.error is None):
+            raise MessageError("DataLayout: exactly one of epoch_rows and error")
+        if self.epoch_rows is not None and self.epoch_rows < 1:
+            raise MessageError(f"DataLayout: bad epoch_rows {self.epoch_rows}")

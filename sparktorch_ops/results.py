@@ -119,6 +119,7 @@ class RunResult:
         metrics_dropped: how many of the oldest ``report()`` records were dropped to keep
             ``metrics`` within its bound (``collector.MAX_METRIC_RECORDS``); ``on_metrics`` saw
             them all.
+        input: with DataFrame input: ``rows``, ``columns`` and ``source`` (what was read).
     """
 
     value: Any
@@ -134,6 +135,7 @@ class RunResult:
     output_truncated: bool = False
     run_id: str = field(default="")
     metrics_dropped: int = 0
+    input: dict[str, Any] | None = None
 
     @property
     def duration(self) -> pendulum.Duration:
@@ -159,7 +161,7 @@ class RunResult:
         ``num_processes``, ``mode``, ``app_id``, ``ui_url``, ``run_id``, ``exit_codes`` (by
         rank, as strings), ``started_at``, ``finished_at`` (ISO 8601), and
         ``output_truncated`` when a script's output was cut, ``metrics_dropped`` when old
-        metric records were dropped.
+        metric records were dropped, ``input`` (rows, columns, source) with DataFrame input.
         """
         summary: dict[str, Any] = {
             "metrics": {k: json_scalar(v) for k, v in self.final_metrics(0).items()},
@@ -178,6 +180,8 @@ class RunResult:
             summary["output_truncated"] = True
         if self.metrics_dropped:
             summary["metrics_dropped"] = self.metrics_dropped
+        if self.input is not None:
+            summary["input"] = dict(self.input)
         return summary
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import cloudpickle
 
-from sparktorch_ops import channel, reporting
+from sparktorch_ops import channel, data, reporting
 from sparktorch_ops.messages import FailureReport, Hello
 from sparktorch_ops.payload import read_rank_payload
 from sparktorch_ops.planning import (
@@ -87,6 +87,7 @@ def main(secret: str | None = None) -> int:
     if os.environ.pop(NVML_CHECK_ADDED_ENV, None):
         os.environ.pop(NVML_CUDA_CHECK_ENV, None)  # the agent's setting, not the user's
     # The user's code must not find the way to the secret in its environment either.
+    data.select_rank_shard(os.environ)  # DataFrame input: this rank's own shard
     secret_path = os.environ.pop(SECRET_FILE_ENV)
     if secret is None:
         secret = channel.read_secret_file(secret_path)

@@ -1,0 +1,591 @@
+"""DataFrame input on the ranks: one Arrow shard per rank, read as batches of tensors.
+
+The library lays a DataFrame out before the ranks start (:mod:`sparktorch_ops.dataframe`): the
+record batches of the input go round robin, row by row, into one Arrow IPC **stream** file per
+rank (:func:`write_shards`, balanced to within one row), next to a JSON file holding the Spark
+schema (:func:`write_schema_file`). Every rank then sees three variables:
+
+``SPARK_PARTITION_ARROW_DATA_FILE`` (:data:`DATA_FILE_ENV`)
+    its own shard (pyspark's name and format, so pyspark's own
+    ``pyspark.ml.torch.distributor._get_spark_partition_data_loader`` also works on our ranks);
+``SPARK_DATAFRAME_SCHEMA_FILE`` (:data:`SCHEMA_FILE_ENV`)
+    the Spark schema, ``StructType.jsonValue()`` as JSON (what pyspark writes and reads);
+``SPARKTORCH_OPS_DATA_EPOCH_ROWS`` (:data:`EPOCH_ROWS_ENV`)
+    the rows every rank yields per epoch: the largest shard, the same number on every rank.
+
+Inside the train function, a rank reads its shard with either
+
+* :func:`get_spark_partition_data_loader`: pyspark's loader, same arguments and batches (a list
+  of column tensors, ``num_samples`` wrapping around the shard), converted straight from Arrow
+  instead of row by row through pandas; or
+* :func:`partition_loader`: batches as ``dict[str, torch.Tensor]``, the same number of batches on
+  every rank (a smaller shard wraps around to fill the epoch), optional per-epoch shuffling that a
+  restart reproduces, and memory bounded by a few record batches (see :func:`partition_loader`).
+
+Only the standard library is imported here at import time: pyarrow and numpy are imported by the
+functions that need them, torch only by the loaders (:mod:`sparktorch_ops._loader`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from sparktorch_ops.errors import ConfigError, SparkTorchError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from sparktorch_ops._loader import PartitionLoader
+
+__all__ = [
+    "DATA_DIR_ENV",
+    "DATA_FILE_ENV",
+    "EPOCH_ROWS_ENV",
+    "SCHEMA_FILE_ENV",
+    "DataError",
+    "ShardFile",
+    "array_length_range",
+    "check_uniform_lengths",
+    "epoch_rows",
+    "get_spark_partition_data_loader",
+    "is_vector_type",
+    "partition_loader",
+    "rank_env",
+    "select_rank_shard",
+    "shard_name",
+    "tensor_problems",
+    "write_schema_file",
+    "write_shards",
+]
+
+DATA_FILE_ENV = "SPARK_PARTITION_ARROW_DATA_FILE"
+"""The path of this rank's shard, an Arrow IPC stream file (pyspark's variable)."""
+SCHEMA_FILE_ENV = "SPARK_DATAFRAME_SCHEMA_FILE"
+"""The path of the Spark schema of the DataFrame as JSON (pyspark's variable)."""
+EPOCH_ROWS_ENV = "SPARKTORCH_OPS_DATA_EPOCH_ROWS"
+# The directory of a node's shards; the worker sets DATA_FILE_ENV to its own (LOCAL_RANK's).
+DATA_DIR_ENV = "SPARKTORCH_OPS_DATA_DIR"
+"""Rows every rank yields per epoch of :func:`partition_loader`: the largest shard's rows."""
+
+SCHEMA_FILE_NAME = "schema.json"
+# What a Spark ML vector (pyspark.ml.linalg.VectorUDT.sqlType()) is in Arrow.
+_VECTOR_FIELDS = ("type", "size", "indices", "values")
+
+
+class DataError(SparkTorchError, RuntimeError):
+    """The rank's data cannot be read as tensors: no shard, a bad file, ragged arrays, nulls."""
+
+
+class ShardFile(NamedTuple):
+    """One rank's shard as written by :func:`write_shards`."""
+
+    path: str
+    rows: int
+
+
+# -- the writer side (barrier task on an executor, or the driver in local mode) ----------------
+def shard_name(rank: int) -> str:
+    """The file name of ``rank``'s shard inside the shard directory (``rank-{rank}.arrow``)."""
+    return f"rank-{rank}.arrow"
+
+
+def write_shards(
+    batches: Iterable[pa.RecordBatch], schema: pa.Schema, directory: str, count: int
+) -> list[ShardFile]:
+    """Split a stream of record batches into ``count`` per-rank Arrow IPC stream files.
+
+    Row ``i`` of the stream (counted across batches) goes to shard ``i % count``, so the shards
+    differ by at most one row whatever the batch sizes. Rows move with ``RecordBatch.take``, one
+    input batch at a time: memory stays bounded by a batch. Files are uncompressed Arrow IPC
+    *stream* files (what pyspark's ``ArrowStreamSerializer`` reads) named by :func:`shard_name`;
+    a shard that gets no rows still holds the schema.
+
+    Args:
+        batches: the input's record batches, in order.
+        schema: their schema (batches that differ only in metadata or nullability are rebuilt
+            with it).
+        directory: where to write (created if missing).
+        count: how many shards (ranks).
+
+    Returns:
+        One :class:`ShardFile` (path, rows) per rank, in rank order.
+
+    Raises:
+        ConfigError: ``count`` is not a positive integer.
+        DataError: a batch whose columns do not match ``schema``.
+    """
+    import numpy as np
+    import pyarrow as pa
+
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ConfigError("count", f"must be a positive integer, got {count!r}")
+    os.makedirs(directory, exist_ok=True)
+    paths = [os.path.join(directory, shard_name(rank)) for rank in range(count)]
+    rows = [0] * count
+    sinks: list[Any] = []
+    writers: list[Any] = []
+    try:
+        for path in paths:
+            sinks.append(pa.OSFile(path, "wb"))
+            writers.append(pa.ipc.new_stream(sinks[-1], schema))
+        seen = 0
+        for batch in batches:
+            size = batch.num_rows
+            if size == 0:
+                continue
+            if not batch.schema.equals(schema):
+                batch = _conform(batch, schema)
+            for rank in range(count):
+                first = (rank - seen) % count
+                if first >= size:
+                    continue
+                part = (
+                    batch
+                    if count == 1
+                    else batch.take(pa.array(np.arange(first, size, count, dtype=np.int64)))
+                )
+                writers[rank].write_batch(part)
+                rows[rank] += part.num_rows
+            seen += size
+    finally:
+        for writer in writers:
+            writer.close()
+        for sink in sinks:
+            sink.close()
+    return [ShardFile(path, n) for path, n in zip(paths, rows, strict=True)]
+
+
+def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    import pyarrow as pa
+
+    if batch.schema.names != schema.names:
+        raise DataError(
+            f"a record batch has columns {batch.schema.names}, the input's schema has "
+            f"{schema.names}"
+        )
+    for field, column in zip(schema, batch.columns, strict=True):
+        if not column.type.equals(field.type):
+            raise DataError(
+                f"column {field.name!r} of a record batch is {column.type}, the input's schema "
+                f"says {field.type}"
+            )
+    return pa.RecordBatch.from_arrays(batch.columns, schema=schema)
+
+
+def write_schema_file(spark_schema_json: str, directory: str) -> str:
+    """Write the Spark schema (``json.dumps(StructType.jsonValue())``) for the ranks.
+
+    Returns:
+        The path of the file (``<directory>/schema.json``), for :data:`SCHEMA_FILE_ENV`.
+
+    Raises:
+        ConfigError: ``spark_schema_json`` is not a JSON object.
+    """
+    try:
+        parsed = json.loads(spark_schema_json)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError("spark_schema_json", f"is not JSON: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise ConfigError("spark_schema_json", "must be a JSON object (StructType.jsonValue())")
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, SCHEMA_FILE_NAME)
+    with open(path, "w", encoding="utf-8") as fp:
+        fp.write(spark_schema_json)
+    return path
+
+
+def epoch_rows(shard_sizes: Iterable[int]) -> int:
+    """The rows every rank yields per epoch: the largest shard (0 for no shards)."""
+    return max(shard_sizes, default=0)
+
+
+def select_rank_shard(environ: MutableMapping[str, str]) -> None:
+    """In a rank before user code: point :data:`DATA_FILE_ENV` at this rank's shard."""
+    directory = environ.pop(DATA_DIR_ENV, None)
+    if directory is not None:
+        environ[DATA_FILE_ENV] = os.path.join(directory, shard_name(int(environ["LOCAL_RANK"])))
+
+
+def rank_env(shard_path: str, schema_path: str, rows_per_epoch: int) -> dict[str, str]:
+    """The variables that point one rank at its shard (set them before user code runs)."""
+    return {
+        DATA_FILE_ENV: shard_path,
+        SCHEMA_FILE_ENV: schema_path,
+        EPOCH_ROWS_ENV: str(int(rows_per_epoch)),
+    }
+
+
+# -- column checks (pure, on an Arrow schema; the driver calls these before anything starts) ---
+def is_vector_type(arrow_type: pa.DataType) -> bool:
+    """Whether ``arrow_type`` is a Spark ML vector (``VectorUDT``) as Arrow carries it.
+
+    pyspark turns a UDT into its ``sqlType()``; for ``VectorUDT`` that is a struct of
+    ``type: int8`` (0 sparse, 1 dense), ``size: int32``, ``indices: list<int32>`` and
+    ``values: list<double>`` (lists may be large lists).
+    """
+    import pyarrow as pa
+
+    if not pa.types.is_struct(arrow_type) or arrow_type.num_fields != len(_VECTOR_FIELDS):
+        return False
+    fields = [arrow_type.field(i) for i in range(arrow_type.num_fields)]
+    if tuple(f.name for f in fields) != _VECTOR_FIELDS:
+        return False
+    kind, size, indices, values = (f.type for f in fields)
+    return (
+        pa.types.is_int8(kind)
+        and pa.types.is_int32(size)
+        and _is_list(indices)
+        and pa.types.is_int32(indices.value_type)
+        and _is_list(values)
+        and pa.types.is_float64(values.value_type)
+    )
+
+
+def _is_list(arrow_type: pa.DataType) -> bool:
+    import pyarrow as pa
+
+    return bool(pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type))
+
+
+def _number_problem(arrow_type: pa.DataType) -> str | None:
+    """Why a scalar type is not a tensor element, or None when it is one."""
+    import pyarrow as pa
+
+    types = pa.types
+    if types.is_boolean(arrow_type) or types.is_floating(arrow_type):
+        return None
+    if types.is_signed_integer(arrow_type) or types.is_uint8(arrow_type):
+        return None
+    if types.is_unsigned_integer(arrow_type):
+        return f"{arrow_type} has no general torch dtype; cast it to a signed integer"
+    if types.is_decimal(arrow_type):
+        return f"{arrow_type} is a decimal; cast it to double"
+    if types.is_string(arrow_type) or types.is_large_string(arrow_type):
+        return "strings; encode them as numbers first (e.g. with StringIndexer)"
+    if getattr(types, "is_string_view", lambda _: False)(arrow_type):
+        return "strings; encode them as numbers first (e.g. with StringIndexer)"
+    if types.is_binary(arrow_type) or types.is_large_binary(arrow_type):
+        return "binary values"
+    if types.is_fixed_size_binary(arrow_type):
+        return "binary values"
+    if types.is_temporal(arrow_type):
+        return f"{arrow_type} is a date or time; cast it to a number (e.g. unix seconds)"
+    if types.is_null(arrow_type):
+        return "every value is null (no type)"
+    if types.is_dictionary(arrow_type):
+        return "dictionary-encoded values"
+    return f"{arrow_type} is not a number"
+
+
+def _type_problem(arrow_type: pa.DataType) -> str | None:
+    import pyarrow as pa
+
+    types = pa.types
+    if types.is_struct(arrow_type):
+        if is_vector_type(arrow_type):
+            return None
+        return "a struct (only Spark ML vectors become tensors); select its fields instead"
+    if types.is_map(arrow_type):
+        return "a map"
+    if types.is_fixed_size_list(arrow_type) or _is_list(arrow_type):
+        element = arrow_type.value_type
+        if types.is_fixed_size_list(element) or _is_list(element):
+            return "nested arrays (arrays of arrays)"
+        if types.is_struct(element) or types.is_map(element):
+            return f"arrays of {element}"
+        why = _number_problem(element)
+        return None if why is None else f"arrays of {element}: {why}"
+    return _number_problem(arrow_type)
+
+
+def tensor_problems(schema: pa.Schema) -> dict[str, str]:
+    """The columns of ``schema`` that cannot become tensors, each with the reason.
+
+    Tensors come from booleans, integers (signed, or uint8) and floats; fixed-size or variable
+    arrays of those (variable ones must hold one length per column: checked on the data, see
+    :func:`check_uniform_lengths`); and Spark ML vectors (:func:`is_vector_type`). Refused:
+    strings, binary, decimals, dates and times, maps, other structs, nested arrays, null-typed
+    columns.
+
+    Returns:
+        ``{column: why}`` in schema order; empty when every column can become a tensor.
+    """
+    problems: dict[str, str] = {}
+    for field in schema:
+        why = _type_problem(field.type)
+        if why is not None:
+            problems[field.name] = why
+    return problems
+
+
+def array_length_range(batch: pa.RecordBatch | pa.Table) -> dict[str, tuple[int, int]]:
+    """The shortest and longest array of every array or vector column of ``batch``.
+
+    Fixed-size lists report their fixed length; an ML vector's length is its ``size`` (sparse)
+    or the number of its values (dense). A column whose rows are all null, or an empty
+    ``batch``, reports ``(0, -1)`` so that combining ranges with ``min``/``max`` works. Null
+    arrays are not counted; :func:`check_uniform_lengths` refuses them.
+    """
+    import numpy as np
+
+    ranges: dict[str, tuple[int, int]] = {}
+    for field, column in zip(batch.schema, batch.columns, strict=True):
+        lengths = _lengths(field.type, column)
+        if lengths is None:
+            continue
+        if lengths.size == 0:
+            ranges[field.name] = (0, -1)
+        else:
+            ranges[field.name] = (int(np.min(lengths)), int(np.max(lengths)))
+    return ranges
+
+
+def _lengths(arrow_type: pa.DataType, column: Any) -> Any:
+    """Per-row array lengths (numpy, nulls dropped) of an array/vector column, else None."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_fixed_size_list(arrow_type):
+        return np.full(len(column) - column.null_count, arrow_type.list_size, dtype=np.int64)
+    if _is_list(arrow_type):
+        return pc.list_value_length(column).drop_null().to_numpy(zero_copy_only=False)
+    if is_vector_type(arrow_type):
+        chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+        out = []
+        for chunk in chunks:
+            valid = chunk.filter(chunk.is_valid()) if chunk.null_count else chunk
+            kind = valid.field("type").to_numpy(zero_copy_only=False)
+            size = valid.field("size").fill_null(0).to_numpy(zero_copy_only=False)
+            dense = pc.list_value_length(valid.field("values")).fill_null(0)
+            out.append(np.where(kind == 1, dense.to_numpy(zero_copy_only=False), size))
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+    return None
+
+
+def check_uniform_lengths(
+    batch: pa.RecordBatch | pa.Table, columns: Iterable[str] | None = None
+) -> dict[str, int]:
+    """Check that every array or vector column of ``batch`` holds one length and no nulls.
+
+    Args:
+        batch: the data.
+        columns: the columns to check (default: all array and vector columns).
+
+    Returns:
+        ``{column: length}`` for the checked array and vector columns (a column whose
+        ``batch`` has no rows is left out).
+
+    Raises:
+        DataError: a column with arrays of different lengths or null arrays, naming it.
+    """
+    wanted = None if columns is None else set(columns)
+    lengths: dict[str, int] = {}
+    for field, column in zip(batch.schema, batch.columns, strict=True):
+        if wanted is not None and field.name not in wanted:
+            continue
+        found = _lengths(field.type, column)
+        if found is None:
+            continue
+        if column.null_count:
+            raise DataError(
+                f"column {field.name!r} has {column.null_count} null arrays: a batch needs a "
+                "value in every row; fill or filter them"
+            )
+        if found.size == 0:
+            continue
+        shortest, longest = int(found.min()), int(found.max())
+        if shortest != longest:
+            raise DataError(
+                f"column {field.name!r} holds arrays of different lengths ({shortest} to "
+                f"{longest}): a batch needs one length per column; pad or filter them"
+            )
+        lengths[field.name] = shortest
+    return lengths
+
+
+# -- the rank side ------------------------------------------------------------------------------
+def _shard_path(environ: Mapping[str, str]) -> str:
+    path = environ.get(DATA_FILE_ENV)
+    if not path:
+        raise DataError(
+            f"no DataFrame shard for this process: {DATA_FILE_ENV} is not set. The data loaders "
+            "work inside a train function started with "
+            "TorchDistributor.train_on_dataframe(train_function, dataframe, ...)"
+        )
+    if not os.path.isfile(path):
+        raise DataError(f"{DATA_FILE_ENV} names {path!r}, which is not a file")
+    return path
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(name, f"must be a positive integer, got {value!r}")
+    return value
+
+
+def partition_loader(
+    batch_size: int,
+    *,
+    columns: Iterable[str] | None = None,
+    shuffle: bool = False,
+    seed: int = 0,
+    drop_last: bool = False,
+    num_workers: int = 0,
+    shuffle_window: int = 8,
+) -> PartitionLoader:
+    """This rank's shard as batches of tensors, the same number of batches on every rank.
+
+    Each batch is a ``dict[str, torch.Tensor]`` keyed by column (in ``columns`` order, else the
+    schema's): number columns become 1-D tensors of their own dtype (float32 stays float32,
+    int32 stays int32, booleans are ``torch.bool``), fixed-length numeric arrays and Spark ML
+    vectors (float64, sparse ones made dense) become 2-D tensors.
+
+    An epoch is :data:`EPOCH_ROWS_ENV` rows on every rank: a shard smaller than that wraps
+    around to its own first rows to fill it, so every rank yields ``ceil(epoch rows / batch_size)``
+    batches (``floor`` with ``drop_last=True``, which drops the final partial batch) and no
+    collective waits on a rank that ran out. Every row of the shard comes at least once per epoch.
+
+    Memory stays bounded by a few record batches whatever the shard's size: the file is
+    memory-mapped, record batches are read from it without copying, converted to column arrays
+    straight from Arrow (no pandas, no per-row Python) and copied once into each batch's tensors;
+    pages already consumed are handed back to the OS (``madvise(MADV_DONTNEED)``; they are
+    clean file pages, read again from the file if needed).
+
+    With ``shuffle=True`` the order is a two-level shuffle that never holds the shard: the order
+    of the record batches is permuted, then rows are permuted within windows of
+    ``shuffle_window`` consecutive (permuted) record batches. The order depends only on
+    ``(seed, epoch, RANK)`` and the shard, so a restart replays it.
+
+    The result is a ``torch.utils.data.DataLoader`` over an ``IterableDataset`` that yields whole
+    batches (``batch_size=None``), so Lightning uses it as is (it never replaces the sampler of
+    an iterable dataset) and calls ``set_epoch`` on it each epoch. ``len(loader)`` is the
+    batches per epoch. Without an explicit :meth:`~PartitionLoader.set_epoch`, each new
+    iteration starts the next epoch (0, 1, 2, ...); call ``set_epoch(epoch)`` in a plain loop to
+    make a restarted run resume the same order.
+
+    Args:
+        batch_size: rows per batch.
+        columns: the columns to load, in this order (default: all).
+        shuffle: shuffle rows per epoch (two-level, see above).
+        seed: the shuffle's seed.
+        drop_last: drop the last, partial batch of each epoch.
+        num_workers: DataLoader worker processes; each converts every ``num_workers``-th batch
+            and the batches arrive in the same order as without workers.
+        shuffle_window: record batches whose rows are shuffled together.
+
+    Raises:
+        DataError: not inside a DataFrame run (no :data:`DATA_FILE_ENV`), an unreadable shard,
+            or a selected column that cannot become a tensor.
+        ConfigError: a bad argument, e.g. a column the shard does not have.
+    """
+    _positive("batch_size", batch_size)
+    _positive("shuffle_window", shuffle_window)
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ConfigError("num_workers", f"must be a non-negative integer, got {num_workers!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError("seed", f"must be an integer, got {seed!r}")
+    environ = os.environ
+    path = _shard_path(environ)
+    from sparktorch_ops import _loader
+
+    dataset = _loader.PartitionDataset(
+        path,
+        batch_size=batch_size,
+        columns=None if columns is None else list(columns),
+        shuffle=bool(shuffle),
+        seed=seed,
+        drop_last=bool(drop_last),
+        epoch_rows=_epoch_rows_from(environ),
+        rank=_int_env(environ, "RANK", 0),
+        shuffle_window=shuffle_window,
+        style="dict",
+    )
+    return _loader.PartitionLoader(dataset, num_workers=num_workers)
+
+
+def _int_env(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name, "")
+    try:
+        return int(raw) if raw.strip() else default
+    except ValueError as exc:
+        raise DataError(f"{name}={raw!r} is not an integer") from exc
+
+
+def _epoch_rows_from(environ: Mapping[str, str]) -> int | None:
+    """:data:`EPOCH_ROWS_ENV`, or None (the shard's own rows: not a sparktorch_ops run)."""
+    raw = environ.get(EPOCH_ROWS_ENV, "")
+    if not raw.strip():
+        return None
+    value = _int_env(environ, EPOCH_ROWS_ENV, 0)
+    if value < 0:
+        raise DataError(f"{EPOCH_ROWS_ENV}={raw!r} is negative")
+    return value
+
+
+def get_spark_partition_data_loader(
+    num_samples: int, batch_size: int, num_workers: int = 1, prefetch_factor: int = 2
+) -> PartitionLoader:
+    """pyspark's ``_get_spark_partition_data_loader``, read straight from Arrow.
+
+    Same arguments and batches as pyspark's: each batch is a list of tensors, one per column in
+    schema order, collated the way pyspark's rows collate (number columns as int64, float64 or
+    bool tensors; arrays keep their element dtype; ML vectors as float64, sparse ones dense).
+    An epoch yields ``num_samples`` rows: the first ``num_samples`` rows of the shard, or the
+    whole shard wrapping around to its start until ``num_samples`` rows came out; the last batch
+    may be smaller. Unlike pyspark's, it needs no pandas, converts whole record batches at once,
+    and splits the work when ``num_workers > 1`` (batches still arrive in order).
+
+    Args:
+        num_samples: rows per epoch.
+        batch_size: rows per batch.
+        num_workers: DataLoader worker processes (0: load in this process).
+        prefetch_factor: batches loaded in advance by each worker.
+
+    Raises:
+        DataError: not inside a DataFrame run, an unreadable shard, or a column that cannot
+            become a tensor.
+    """
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 0:
+        raise ConfigError("num_samples", f"must be a non-negative integer, got {num_samples!r}")
+    _positive("batch_size", batch_size)
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ConfigError("num_workers", f"must be a non-negative integer, got {num_workers!r}")
+    path = _shard_path(os.environ)
+    from sparktorch_ops import _loader
+
+    dataset = _loader.PartitionDataset(
+        path,
+        batch_size=batch_size,
+        columns=None,
+        shuffle=False,
+        seed=0,
+        drop_last=False,
+        epoch_rows=num_samples,
+        rank=0,
+        shuffle_window=1,
+        style="pyspark",
+    )
+    return _loader.PartitionLoader(
+        dataset,
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+    )
+
+
+def batches_per_epoch(rows: int, batch_size: int, drop_last: bool) -> int:
+    """How many batches ``rows`` rows make (the last one partial unless ``drop_last``)."""
+    return rows // batch_size if drop_last else math.ceil(rows / batch_size)
+
+
+def __getattr__(name: str) -> Any:
+    # The loader classes need torch: import them only when asked for.
+    if name in ("PartitionLoader", "PartitionDataset"):
+        from sparktorch_ops import _loader
+
+        return getattr(_loader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,80 @@
+"""DataFrame input: laid out over the ranks whatever its partitioning, checked before start."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sparktorch_ops import ConfigError, TorchDistributor
+
+
+def ids_seen(batch_size: int) -> dict[str, Any]:
+    """Rank code: one epoch of partition_loader; every rank's ids, features and batch count."""
+    import torch.distributed as dist
+
+    from sparktorch_ops.data import partition_loader
+
+    dist.init_process_group("gloo")
+    loader = partition_loader(batch_size)
+    ids: list[int] = []
+    aligned = True
+    batches = 0
+    for batch in loader:
+        batches += 1
+        ids += batch["id"].tolist()
+        aligned &= bool((batch["features"][:, 0] == batch["id"].double() * 2).all())
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"ids": ids, "batches": batches, "aligned": aligned})
+    dist.destroy_process_group()
+    return {"ranks": gathered}
+
+
+def _frame(spark: Any, rows: int, partitions: int) -> Any:
+    from pyspark.sql import functions as F
+
+    return (
+        spark.range(rows, numPartitions=partitions)
+        .withColumn("features", F.array((F.col("id") * 2).cast("double"), F.lit(1.0)))
+        .withColumn("label", (F.col("id") % 3).cast("int"))
+    )
+
+
+@pytest.mark.parametrize("mode", ["local", "barrier"])
+def test_uneven_partitions_reach_every_rank_equally(spark: Any, mode: str) -> None:
+    frame = _frame(spark, 1001, 7)
+    result = TorchDistributor(
+        num_processes=2, local_mode=mode == "local", use_gpu=False, spark=spark
+    ).launch_on_dataframe(ids_seen, frame, 64)
+    ranks = result.value["ranks"]
+    first, second = (set(r["ids"]) for r in ranks)
+    assert first.isdisjoint(second) and first | second == set(range(1001))  # each row, one rank
+    assert all(r["aligned"] for r in ranks)
+    epoch = len(ranks[0]["ids"])  # the larger shard; the smaller one wraps to match it
+    assert len(ranks[1]["ids"]) == epoch and epoch == max(len(first), len(second))
+    assert [r["batches"] for r in ranks] == [-(-epoch // 64)] * 2
+    if mode == "local":  # the driver deals rows out one by one: 501 and 500
+        assert sorted([len(first), len(second)]) == [500, 501]
+    assert result.input == {
+        "rows": 1001,
+        "columns": ["id", "features", "label"],
+        "source": "a DataFrame",
+    }
+
+
+def test_pyspark_name_and_bad_input_are_typed_errors(spark: Any) -> None:
+    distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark)
+    assert distributor._train_on_dataframe == distributor.train_on_dataframe
+    with pytest.raises(ConfigError, match="empty") as empty:
+        distributor.train_on_dataframe(ids_seen, _frame(spark, 10, 2).limit(0), 4)
+    assert empty.value.argument == "dataframe"
+    with pytest.raises(ConfigError, match="'name'"):
+        distributor.train_on_dataframe(
+            ids_seen, spark.createDataFrame([(1, "a")], "id long, name string"), 4
+        )
+    with pytest.raises(ConfigError, match="different lengths"):
+        distributor.train_on_dataframe(
+            ids_seen, spark.createDataFrame([([1.0],), ([1.0, 2.0],)], "v array<double>"), 4
+        )
+    with pytest.raises(ConfigError, match="DataFrame"):
+        distributor.train_on_dataframe(ids_seen, [1, 2, 3], 4)
