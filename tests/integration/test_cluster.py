@@ -370,3 +370,42 @@ stop(spark)
     assert "needs 3 barrier task slots" in too_many["error"] and "has 2" in too_many["error"]
     # Bound only to prove it did not sit out the 600 s start-up wait.
     assert too_many["seconds"] < 120
+
+
+def test_dataframe_input_on_the_standalone_cluster(
+    standalone_cluster: Cluster, tmp_path: Path
+) -> None:
+    """A DataFrame of uneven partitions reaches both barrier tasks on two workers: every row on
+    exactly one rank, equal batches, features aligned with their row."""
+    result, output = run_driver(
+        tmp_path,
+        SESSION.format(master=standalone_cluster.master_url)
+        + """
+from pyspark.sql import functions as F
+from sparktorch_ops import TorchDistributor
+
+def shard_ids(batch_size):
+    import torch.distributed as dist
+    from sparktorch_ops.data import partition_loader
+    dist.init_process_group("gloo")
+    ids, batches, aligned = [], 0, True
+    for batch in partition_loader(batch_size, columns=["id", "x"]):
+        batches += 1
+        ids += batch["id"].tolist()
+        aligned &= bool((batch["x"] == batch["id"].float() / 2).all())
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, {"ids": ids, "batches": batches, "aligned": aligned})
+    dist.destroy_process_group()
+    return out
+
+frame = spark.range(1000, numPartitions=5).withColumn("x", (F.col("id") / 2).cast("float"))
+d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark)
+result = d.launch_on_dataframe(shard_ids, frame, 100)
+emit({"ranks": result.value, "input": result.input})
+""",
+    )
+    ranks = result["ranks"]
+    first, second = (set(r["ids"]) for r in ranks)
+    assert first.isdisjoint(second) and first | second == set(range(1000)), output[-3000:]
+    assert ranks[0]["batches"] == ranks[1]["batches"] and all(r["aligned"] for r in ranks)
+    assert result["input"]["rows"] == 1000 and result["input"]["columns"] == ["id", "x"]
