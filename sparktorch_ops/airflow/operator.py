@@ -23,6 +23,7 @@ from sparktorch_ops.airflow.connection import (
     resolve_connection,
 )
 from sparktorch_ops.airflow.links import SparkUILink
+from sparktorch_ops.dataframe import DataInput
 from sparktorch_ops.errors import ConfigError, SparkTorchError
 from sparktorch_ops.job import CancelToken, build_job
 from sparktorch_ops.outcome import outcome_of
@@ -56,7 +57,8 @@ class TorchDistributorOperator(BaseOperator):
     Barrier mode takes its master from the Spark provider's ``spark`` connection ``conn_id``.
     An absent ``spark_default`` means ``spark.master`` from ``spark_conf``, else ``local[*]``;
     another missing connection, or a ``spark.master`` that contradicts the connection's, is
-    bad input. A running SparkContext is reused. ``local_mode=True`` starts no Spark at all.
+    bad input. A running SparkContext is reused. ``local_mode=True`` starts no Spark at all,
+    unless an ``input_*`` argument names data (then a session from the same settings reads it).
 
     Bad input raises ``AirflowFailException`` before anything starts (no retry); failed,
     timed-out or cancelled training raises :class:`TorchTrainingError` (retried as configured).
@@ -86,6 +88,10 @@ class TorchDistributorOperator(BaseOperator):
             an overwrite); ``load_result`` reads only from under it.
         max_xcom_value_bytes: the largest JSON-safe value kept inline (default:
             ``[sparktorch_ops] max_xcom_value_bytes``, else 48 KB).
+        input_sql, input_table, input_path: at most one, the data the ranks train on (templated;
+            read with :func:`sparktorch_ops.data.partition_loader`); the summary's ``input``
+            gives its rows and columns.
+        input_format: the format of ``input_path`` (default ``parquet``).
         **kwargs: BaseOperator arguments (``task_id``, ``retries``, ``execution_timeout``...).
     """
 
@@ -97,9 +103,13 @@ class TorchDistributorOperator(BaseOperator):
         "spark_conf",
         "env",
         "result_location",
+        "input_sql",
+        "input_table",
+        "input_path",
     )
     template_fields_renderers: ClassVar[dict[str, str]] = {
         "train_kwargs": "py",
+        "input_sql": "sql",
         "spark_conf": "json",
         "env": "json",
     }
@@ -128,6 +138,10 @@ class TorchDistributorOperator(BaseOperator):
         allow_unencrypted_channel: bool = False,
         result_location: str | None = None,
         max_xcom_value_bytes: int | None = None,
+        input_sql: str | None = None,
+        input_table: str | None = None,
+        input_path: str | None = None,
+        input_format: str = "parquet",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -154,6 +168,8 @@ class TorchDistributorOperator(BaseOperator):
         self.allow_unencrypted_channel = allow_unencrypted_channel
         self.result_location = result_location
         self.max_xcom_value_bytes = max_xcom_value_bytes
+        self.input_sql, self.input_table = input_sql, input_table
+        self.input_path, self.input_format = input_path, input_format
         # Read by SparkUILink when the task ends; None: not known in this process.
         self.spark_ui_link: str | None = None
         # Made up front so that on_kill during templating is not lost; a fresh one per try.
@@ -164,6 +180,7 @@ class TorchDistributorOperator(BaseOperator):
         self.spark_ui_link = ""
         token = self._cancel_token
         try:
+            data = self._data_input()
             job = build_job(
                 train=self.train,
                 train_args=self.train_args,
@@ -185,6 +202,7 @@ class TorchDistributorOperator(BaseOperator):
                 on_metrics=self._on_metrics,
                 on_event=lambda event: self._on_event(event, context),
                 cancel_token=token,
+                data=data,
             )
             from sparktorch_ops.distributor import launch_job
 
@@ -207,15 +225,24 @@ class TorchDistributorOperator(BaseOperator):
         """
         self._cancel_token.cancel("the Airflow task was killed (on_kill)")
 
+    def _data_input(self) -> DataInput | None:
+        """The rendered ``input_*`` arguments as the core's input, or None."""
+        sql, table, path = (v or None for v in (self.input_sql, self.input_table, self.input_path))
+        if sql is None and table is None and path is None:
+            return None
+        return DataInput(sql=sql, table=table, path=path, format=self.input_format)
+
     def _spark_settings(self) -> SparkSettings:
-        """The Spark session settings from the connection and ``spark_conf``."""
-        if self.local_mode and self.conn_id == DEFAULT_CONN_ID:
+        """The Spark session settings from the connection and ``spark_conf`` (local mode: only
+        to read an ``input_*``)."""
+        local_only = self.local_mode and self._data_input() is None
+        if local_only and self.conn_id == DEFAULT_CONN_ID:
             return SparkSettings()
         try:
             connection = resolve_connection(self.conn_id, self.log)
         except (MissingConnectionError, ValueError) as exc:
             raise AirflowFailException(str(exc)) from None
-        if self.local_mode:
+        if local_only:
             self.log.info(
                 "sparktorch_ops: local_mode=True runs the ranks on this worker without Spark; "
                 "connection %r is not used",

@@ -124,6 +124,7 @@ class RunSummary:
         app_id: the Spark application, in barrier mode.
         ui_url: the Spark UI link, if any.
         error: the error's message, for a run that did not complete.
+        input: the DataFrame input's ``rows``, ``columns`` and ``source``, if any.
     """
 
     title: str
@@ -138,6 +139,7 @@ class RunSummary:
     app_id: str | None = None
     ui_url: str | None = None
     error: str | None = None
+    input: Mapping[str, Any] | None = None
 
     def complete(self, result: RunResult, where: str) -> None:
         """Fill in a completed run: its duration, metrics, result line, ids and link."""
@@ -146,6 +148,7 @@ class RunSummary:
         self.final_metrics = result.final_metrics(0)
         self.result = where
         self.run_id, self.app_id, self.ui_url = result.run_id, result.app_id, result.ui_url
+        self.input = result.input
 
     def markdown(self) -> str:
         """The summary as markdown."""
@@ -157,6 +160,10 @@ class RunSummary:
             ("GPUs", "one per rank" if self.use_gpu else "none (CPU)"),
             ("Duration", _duration(self.duration_s)),
         ]
+        if self.input:
+            columns = ", ".join(f"`{name}`" for name in self.input.get("columns", ()))
+            source = f" from {self.input['source']}" if self.input.get("source") else ""
+            rows.append(("Input", f"{self.input.get('rows')} rows{source}; columns {columns}"))
         if self.result:
             rows.append(("Result", self.result))
         if self.app_id:

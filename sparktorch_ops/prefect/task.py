@@ -24,6 +24,7 @@ from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
 from sparktorch_ops import events
+from sparktorch_ops.dataframe import DataInput
 from sparktorch_ops.distributor import launch_job
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.job import build_job
@@ -99,6 +100,11 @@ def run_torch_distributor(
     allow_unencrypted_channel: bool = False,
     artifact_key: str | None = None,
     artifacts: bool = True,
+    dataframe: Any = None,
+    input_sql: str | None = None,
+    input_table: str | None = None,
+    input_path: str | None = None,
+    input_format: str = "parquet",
 ) -> Any:
     """Run a training function or script on ``num_processes`` ranks; return rank 0's value.
 
@@ -140,6 +146,11 @@ def run_torch_distributor(
         artifact_key: prefix of the artifact keys (lowercase letters, numbers, dashes);
             default: derived from the task name.
         artifacts: set False to create no artifacts.
+        dataframe, input_sql, input_table, input_path: at most one, the data the ranks train
+            on (read with :func:`sparktorch_ops.data.partition_loader`): a DataFrame, or a
+            query, table or path read on the run's session; the summary gives its rows and
+            columns. Not part of any cache key.
+        input_format: the format of ``input_path`` (default ``parquet``).
 
     Returns:
         Rank 0's return value (a function) or rank 0's stdout (a script).
@@ -169,6 +180,12 @@ def run_torch_distributor(
         if event.name == events.SESSION_READY:
             session.update(event.detail)
 
+    inputs = (dataframe, input_sql, input_table, input_path)
+    data = (
+        DataInput(dataframe, input_sql, input_table, input_path, input_format)
+        if any(value is not None for value in inputs)
+        else None
+    )
     job = build_job(
         train=train,  # type: ignore[arg-type]
         train_args=train_args,
@@ -189,6 +206,7 @@ def run_torch_distributor(
         logger=logger,
         on_metrics=recorder.on_metrics if recorder is not None else None,
         on_event=on_event,
+        data=data,
     )
     logger.info(
         "launching %s on %d processes in %s mode%s",

@@ -113,6 +113,8 @@ BAD_INPUT = {
     "train_not_callable": "train: must be a callable or the path of a Python script, got int",
     "missing_script": "train: the script '/nonexistent-sparktorch-dir/train-",
     "num_processes_not_int": "num_processes: must be an integer after templating, got 'two'",
+    "two_inputs": "input: give exactly one of a DataFrame, input_sql, input_table or input_path "
+    "(got sql, table)",
 }
 
 
@@ -129,3 +131,18 @@ def test_bad_input_fails_at_once_without_retry(
         # Nothing started: no Spark session, no ranks.
         assert "starting a SparkSession" not in log, task_id
         assert not RUN_STARTED.search(log), task_id
+
+
+def test_templated_sql_input_is_read_by_the_ranks(
+    capfd: pytest.CaptureFixture[str], run_dag: Any
+) -> None:
+    outcome = run_dag(capfd, "sto_input")
+    assert outcome.task("on_sql").state == "success"
+    summary = outcome.xcom("on_sql")
+    assert summary["value"]["rows"] == 12 and summary["value"]["max_id"] == 11
+    assert summary["input"]["rows"] == 12
+    assert summary["input"]["columns"] == ["id", "x"]
+    day = outcome.logical_date.strftime("%Y%m%d")
+    assert f"'{day}' LIKE" in summary["input"]["source"]
+    assert f"range(12) WHERE '{day}'" in outcome.rendered("on_sql")["input_sql"]
+    assert "starting a SparkSession (master local[2])" in outcome.task_log("on_sql")

@@ -197,6 +197,7 @@ def test_task_timeout_stops_the_training(call: str, tmp_path: Path) -> None:
         ({"spark_master": "nonsense://x", "local_mode": False}, "spark_master"),
         ({"spark_conf": {"spark.executor.cores": [2]}, "local_mode": False}, "spark_conf"),
         ({"num_processes": 0}, "num_processes"),
+        ({"input_sql": "SELECT 1 AS x", "input_table": "events"}, "input"),
     ],
 )
 def test_bad_input_fails_before_anything_starts(options: dict[str, Any], argument: str) -> None:
@@ -254,6 +255,35 @@ def test_barrier_mode_on_a_named_cluster_links_the_spark_ui(spark: Any) -> None:
     assert any("reusing the SparkContext" in log.message for log in logs)
     [run_id] = run_ids(logs)
     assert wait_until_gone(run_id, timeout=15) == []
+
+
+def _rows_seen(batch_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from sparktorch_ops.data import partition_loader
+
+    dist.init_process_group("gloo")
+    ids = [i for batch in partition_loader(batch_size) for i in batch["id"].tolist()]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, ids)
+    dist.destroy_process_group()
+    return {"rows": len({i for rank_ids in gathered for i in rank_ids})}
+
+
+def test_dataframe_input_reaches_the_ranks_and_the_summary(spark: Any) -> None:
+    frame = spark.range(10, numPartitions=3).selectExpr("id", "CAST(id AS DOUBLE) * 2 AS x")
+
+    @flow
+    def on_frame() -> dict[str, Any]:
+        return run_torch_distributor(
+            _rows_seen, [3], num_processes=2, use_gpu=False, dataframe=frame
+        )
+
+    state = on_frame(return_state=True)
+    assert state.is_completed(), state.message
+    assert state.result() == {"rows": 10}
+    summary = flow_run_artifacts(state.state_details.flow_run_id)["run-torch-distributor-summary"]
+    assert "| Input | 10 rows from a DataFrame; columns `id`, `x` |" in summary.data
 
 
 def _table(artifact: Any) -> list[dict[str, Any]]:

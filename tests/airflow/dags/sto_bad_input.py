@@ -50,3 +50,10 @@ with DAG(
         num_processes="{{ params.n }}",
         use_gpu=False,
     )
+    TorchDistributorOperator(
+        task_id="two_inputs",
+        train=never_runs,
+        input_sql="SELECT * FROM range({{ params.n }})",
+        input_table="events",
+        use_gpu=False,
+    )
