@@ -29,7 +29,7 @@ RESULTS_DIR = BENCH_DIR / "results"
 PAGE = BENCH_DIR / "README.md"
 TOP_README = BENCH_DIR.parent / "README.md"
 GPU_RESULT = Path("gpu") / "gpu_bench.json"  # under RESULTS_DIR; written by gpu_check.sh
-ORDER = ("launch", "logs", "result", "memory", "throughput")
+ORDER = ("launch", "logs", "result", "memory", "throughput", "dataframe_input")
 SUMMARY_START = "<!-- bench-summary:start -->"
 SUMMARY_END = "<!-- bench-summary:end -->"
 GENERATED = (
@@ -47,6 +47,7 @@ def commands(repeats: int, memory_runs: int) -> dict[str, list[str]]:
         "result": [py, str(BENCH_DIR / "result.py"), f"--repeats={repeats}"],
         "memory": [py, str(BENCH_DIR / "memory.py"), f"--runs={memory_runs}"],
         "throughput": [py, str(BENCH_DIR / "throughput.py"), f"--repeats={repeats}"],
+        "dataframe_input": [py, str(BENCH_DIR / "dataframe_input.py"), "--repeats=1"],
     }
 
 
@@ -342,12 +343,55 @@ def render_gpu(doc: dict[str, Any] | None) -> str:
     )
 
 
+def render_dataframe_input(doc: dict[str, Any]) -> str:
+    rows = []
+    for size, variants in doc["results"].items():
+        for name, s in variants.items():
+            rows.append(
+                [
+                    f"{int(size):,}",
+                    f"`{name}`",
+                    (f"{int(s['rows_per_rank']):,}" if s.get("rows_per_rank") else "-")
+                    + (" (capped)" if s.get("capped") else ""),
+                    _num(s.get("rows_per_s_per_rank_median"), 0),
+                    _num(s.get("rows_per_s_vs_pyspark_default"), 1, "x"),
+                    _num(s.get("median_s")),
+                    _num(s.get("ru_maxrss_mib_max"), 0),
+                    _num(s.get("rss_growth_mib_max"), 0),
+                    f"{s.get('runs')}{_errors(s)}",
+                ]
+            )
+    return (
+        f"A cached DataFrame of N rows x {doc.get('features')} float32 columns in 2 partitions, "
+        f"2 ranks in barrier mode on `local[2]`, batch {doc.get('batch_size')}, one epoch per "
+        f"rank, median of {doc.get('repeats')}; pyspark's `num_samples` capped at "
+        f"{doc.get('pyspark_samples_cap'):,} rows per rank (its loader converts row by row). "
+        f"Target: ours >= {doc.get('target_speedup'):g}x pyspark's rows/s.\n\n"
+        + _table(
+            [
+                "rows",
+                "variant",
+                "rows per rank",
+                "rows/s per rank",
+                "vs pyspark",
+                "wall s",
+                "rank maxrss MiB",
+                "RSS growth MiB",
+                "runs",
+            ],
+            rows,
+        )
+        + _notes(doc.get("notes"))
+    )
+
+
 RENDERERS = {
     "launch": render_launch,
     "logs": render_logs,
     "result": render_result,
     "memory": render_memory,
     "throughput": render_throughput,
+    "dataframe_input": render_dataframe_input,
 }
 TITLES = {
     "launch": "Launch",
@@ -355,6 +399,7 @@ TITLES = {
     "result": "Result",
     "memory": "Memory",
     "throughput": "Throughput",
+    "dataframe_input": "DataFrame input",
 }
 
 
@@ -477,7 +522,13 @@ def render_summary(docs: dict[str, dict[str, Any]]) -> str:
             ]
         )
     machine = next(iter(docs.values()), {}).get("machine", {})
-    repeats = sorted({str(d["repeats"]) for d in docs.values() if "repeats" in d})
+    repeats = sorted(
+        {
+            str(d["repeats"])
+            for name, d in docs.items()
+            if "repeats" in d and name != "dataframe_input"  # not in this table
+        }
+    )
     return (
         _table(["benchmark (2 ranks, CPU)", "measure", "ours", "target"], rows)
         + f"\n\n*{machine.get('cores')} cores ({machine.get('cpu_model')}), torch "
@@ -504,6 +555,7 @@ tables give medians and ratios. The jobs run 2 ranks with gloo on CPU unless sta
 | result | `result.py` | rank 0 returns a 256 MiB tensor: ours vs pyspark, local and barrier mode; a control run builds the tensor but returns only its size, so the difference is the transfer |
 | memory | `memory.py` | the driver's RSS over 20 local runs in a row, in a fresh process: what a run adds, and whether it keeps growing |
 | throughput | `throughput.py` | a small CNN, DDP, fixed steps: samples/s (rank 0, steady state) of bare torchrun vs ours, with ranks forked (the default) and with `--start-method=spawn` |
+| DataFrame input | `dataframe_input.py` | rows/s each rank gets from a 2M-4M row x 32 float32 DataFrame (`train_on_dataframe`, barrier mode) and its peak RSS: our `partition_loader` and our `get_spark_partition_data_loader` vs pyspark's `_get_spark_partition_data_loader` |
 | GPU | `gpu/gpu_bench.py` | local mode with `use_gpu=True` and NCCL vs bare torchrun: launch, and DDP ResNet-50 images/s (see [GPU](#gpu)) |
 
 ## Running them
