@@ -353,6 +353,30 @@ def test_shuffle_with_wrap_around_still_yields_every_row(as_rank: Any) -> None:
     assert len(loader) == 8
 
 
+# DataLoader worker processes are forked from the test process: one that has run Airflow,
+# Prefect and Spark tests before (the whole suite) loses them at start-up, so these tests run
+# in a fresh interpreter (test_worker_processes_in_a_fresh_interpreter, or the blocked tier).
+FRESH_ENV = "SPARKTORCH_OPS_FRESH_WORKERS"
+INNER_RUN = "SPARKTORCH_OPS_TESTS_INNER_UNIT_RUN"  # test_tier's blocked run: fresh too
+WORKER_TESTS = ("workers_split", "survives_pickling", "loader_in_worker_processes")
+in_a_fresh_interpreter = pytest.mark.skipif(
+    not (os.environ.get(FRESH_ENV) or os.environ.get(INNER_RUN)),
+    reason="runs in a fresh interpreter: test_worker_processes_in_a_fresh_interpreter",
+)
+
+
+def test_worker_processes_in_a_fresh_interpreter() -> None:
+    if os.environ.get(FRESH_ENV) or os.environ.get(INNER_RUN):
+        return  # already in one: the tests below run here directly
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
+         "-k", " or ".join(WORKER_TESTS)],
+        env={**os.environ, FRESH_ENV: "1"}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "3 passed" in proc.stdout, proc.stdout[-3000:]
+
+
+@in_a_fresh_interpreter
 def test_workers_split_the_batches_and_keep_their_order(as_rank: Any) -> None:
     as_rank(0)
     alone = ids_of(data.partition_loader(40, shuffle=True, seed=3))
@@ -360,6 +384,7 @@ def test_workers_split_the_batches_and_keep_their_order(as_rank: Any) -> None:
     assert ids_of(loader) == alone
 
 
+@in_a_fresh_interpreter
 def test_the_dataset_survives_pickling_and_a_plain_dataloader(as_rank: Any) -> None:
     as_rank(0)
     loader = data.partition_loader(40, shuffle=True, seed=3)
@@ -470,6 +495,7 @@ def test_pyspark_style_loader_yields_lists_of_column_tensors(as_rank: Any) -> No
     assert [int(i) for b in wrapped for i in b[0]] == shard + shard[:5]
 
 
+@in_a_fresh_interpreter
 def test_pyspark_style_loader_in_worker_processes(as_rank: Any) -> None:
     as_rank(0)
     reference = list(data.get_spark_partition_data_loader(700, 64, num_workers=0))
