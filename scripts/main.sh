@@ -22,6 +22,8 @@ airflow dags test retrain_digits
 echo "== Prefect: python flows/retrain_digits.py --once"
 export PREFECT_HOME="$root/.state/prefect"
 export PREFECT_LOCAL_STORAGE_PATH="$root/.state/prefect/storage"
+# The ephemeral server gets 20 s to start by default; a loaded machine (seen here) needs more.
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="${PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS:-120}"
 python flows/retrain_digits.py --once
 
 echo "== registry: $SPARKTORCH_REGISTRY"
