@@ -67,6 +67,22 @@ class DataInput:
                 "input_format", f"{self.format!r} is not one of {', '.join(INPUT_FORMATS)}"
             )
 
+    @classmethod
+    def given(
+        cls,
+        dataframe: Any = None,
+        sql: str | None = None,
+        table: str | None = None,
+        path: str | None = None,
+        format: str = "parquet",
+    ) -> DataInput | None:
+        """The input a wrapper's parameters name, or None when none does (an empty rendered
+        template counts as not given)."""
+        sql, table, path = (value or None for value in (sql, table, path))
+        if dataframe is None and sql is None and table is None and path is None:
+            return None
+        return cls(dataframe, sql, table, path, format)
+
     @property
     def description(self) -> str:
         """The input in words, for logs and summaries."""

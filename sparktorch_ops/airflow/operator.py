@@ -68,20 +68,13 @@ class TorchDistributorOperator(BaseOperator):
             **train_kwargs)``) or the path of a torchrun script (templated).
         train_args: the function's positional arguments, or the script's argv (templated).
         train_kwargs: the function's keyword arguments (templated).
-        num_processes: total number of ranks (templated; an integer after rendering).
-        local_mode: run the ranks on the worker (True) or in Spark barrier tasks (False).
-        use_gpu: give every rank its own GPU (as pyspark's TorchDistributor, default True).
+        num_processes, local_mode, use_gpu, env, max_restarts, timeout, start_timeout,
+            torchrun_args, log_ranks, max_result_bytes, max_local_processes,
+            allow_unencrypted_channel: as for :class:`~sparktorch_ops.TorchDistributor`
+            (``num_processes`` and ``env`` templated; rendered integers are coerced).
         conn_id: Airflow ``spark`` connection with the master for barrier mode.
         spark_conf: Spark settings for the session this task creates (templated); they
             override the connection's ``spark.*`` extras.
-        env: extra environment variables for every rank (templated).
-        max_restarts: torchrun's worker-group restarts within one run.
-        timeout: seconds (or a timedelta) the whole run may take.
-        start_timeout: seconds (or a timedelta) to wait for slots, executors and rendezvous.
-        torchrun_args: further torchrun options.
-        log_ranks: ranks whose output goes to the task log (default: all).
-        max_result_bytes, max_local_processes, allow_unencrypted_channel: as for
-            :class:`~sparktorch_ops.TorchDistributor` (the same defaults).
         result_location: where large or non-JSON values go (templated): a directory or an
             ObjectStoragePath / fsspec URL. Default: ``[sparktorch_ops] result_location``, else
             ``$AIRFLOW_HOME/sparktorch_ops/results``. Each try writes a new object there (never
@@ -227,10 +220,9 @@ class TorchDistributorOperator(BaseOperator):
 
     def _data_input(self) -> DataInput | None:
         """The rendered ``input_*`` arguments as the core's input, or None."""
-        sql, table, path = (v or None for v in (self.input_sql, self.input_table, self.input_path))
-        if sql is None and table is None and path is None:
-            return None
-        return DataInput(sql=sql, table=table, path=path, format=self.input_format)
+        return DataInput.given(
+            None, self.input_sql, self.input_table, self.input_path, self.input_format
+        )
 
     def _spark_settings(self) -> SparkSettings:
         """The Spark session settings from the connection and ``spark_conf`` (local mode: only

@@ -125,24 +125,14 @@ def run_torch_distributor(
             path of a script (run under torchrun with ``train_args`` as its argv).
         train_args: the function's positional arguments, or the script's arguments.
         train_kwargs: the function's keyword arguments (not for scripts).
-        num_processes: total number of ranks.
-        local_mode: True runs the ranks on this machine (no Spark needed); False runs one rank
-            per Spark barrier task on ``spark_master``/``cluster`` (or the active session).
-        use_gpu: give each rank its own GPU (as pyspark's TorchDistributor, default True;
-            ``False`` trains on CPU).
+        num_processes, local_mode, use_gpu, env, max_restarts, torchrun_args, start_timeout,
+            log_ranks, max_result_bytes, max_local_processes, allow_unencrypted_channel: as
+            for :class:`~sparktorch_ops.TorchDistributor`.
+        timeout: seconds (or a timedelta) the training may take (the core stops it; distinct
+            from Prefect's ``timeout_seconds``, which covers the whole task).
         spark_master: the Spark master URL for barrier mode (see :class:`SparkCluster`).
         spark_conf: Spark conf for the session (applied over the cluster block's conf).
         cluster: a :class:`SparkCluster` block, or the name it was saved under.
-        env: extra environment variables for every rank.
-        max_restarts: torchrun's worker-group restarts within one run.
-        torchrun_args: further torchrun options.
-        timeout: seconds (or a timedelta) the training may take (the core stops it; distinct
-            from Prefect's ``timeout_seconds``, which covers the whole task).
-        start_timeout: seconds (or a timedelta) to wait for slots, executors and the
-            rendezvous.
-        log_ranks: ranks whose output goes to the log (default: all).
-        max_result_bytes, max_local_processes, allow_unencrypted_channel: as for
-            :class:`~sparktorch_ops.TorchDistributor` (the same defaults).
         artifact_key: prefix of the artifact keys (lowercase letters, numbers, dashes);
             default: derived from the task name.
         artifacts: set False to create no artifacts.
@@ -180,12 +170,7 @@ def run_torch_distributor(
         if event.name == events.SESSION_READY:
             session.update(event.detail)
 
-    inputs = (dataframe, input_sql, input_table, input_path)
-    data = (
-        DataInput(dataframe, input_sql, input_table, input_path, input_format)
-        if any(value is not None for value in inputs)
-        else None
-    )
+    data = DataInput.given(dataframe, input_sql, input_table, input_path, input_format)
     job = build_job(
         train=train,  # type: ignore[arg-type]
         train_args=train_args,
