@@ -5,8 +5,9 @@ table or a path with its format, resolved on the run's session. :func:`inspect_i
 with one Spark job (row count, array lengths) and turns every problem into a ``ConfigError``
 naming the column: an empty input, a type that cannot become a tensor, ragged arrays.
 
-Barrier mode lays the DataFrame out with ``repartition(tasks).mapInArrow(..., barrier=True)``:
-each barrier task receives its partition as Arrow record batches and writes one shard per rank
+Barrier mode lays the DataFrame out in ``tasks`` partitions of equal size (to within one row;
+:meth:`PreparedInput.laid_out`) and runs ``mapInArrow(..., barrier=True)`` over them: each
+barrier task receives its partition as Arrow record batches and writes one shard per rank
 (:func:`sparktorch_ops.data.write_shards`). Local mode streams the DataFrame to the driver one
 partition at a time (:func:`stream_batches`) and writes the shards there. Ranks read their shard
 with :mod:`sparktorch_ops.data`.
@@ -116,11 +117,13 @@ class DataInput:
 
 @dataclass(frozen=True)
 class InputFacts:
-    """What :func:`inspect_input` found: rows, columns and the Spark schema (JSON)."""
+    """What :func:`inspect_input` found: rows, columns, the Spark schema (JSON) and the rows
+    of each non-empty input partition (``(partition id, rows)``, for the exact layout)."""
 
     rows: int
     columns: tuple[str, ...]
     schema_json: str
+    partition_rows: tuple[tuple[int, int], ...] = ()
 
     def summary(self) -> dict[str, Any]:
         """JSON-safe: rows and columns (for XCom and artifacts)."""
@@ -175,14 +178,20 @@ def inspect_input(dataframe: DataFrame) -> InputFacts:
             F.min(F.size(F.col(f"`{name}`"))).alias(f"min{index}"),
             F.max(F.size(F.col(f"`{name}`"))).alias(f"max{index}"),
         ]
-    (row,) = dataframe.agg(*aggregates).collect()
-    rows = int(row["rows"])
+    # Per input partition: the counts place every row for the exact layout (laid_out).
+    per_partition = (
+        dataframe.groupBy(F.spark_partition_id().alias("partition")).agg(*aggregates).collect()
+    )
+    rows = sum(int(row["rows"]) for row in per_partition)
     if rows == 0:
         raise ConfigError(
             "dataframe", "is empty: there is nothing to train on (check the query's filters)"
         )
     for index, name in enumerate(arrays):
-        shortest, longest = row[f"min{index}"], row[f"max{index}"]
+        lows = [row[f"min{index}"] for row in per_partition]
+        highs = [row[f"max{index}"] for row in per_partition]
+        shortest = None if None in lows else min(lows)
+        longest = None if None in highs else max(highs)
         if shortest != longest or shortest is None or shortest < 0:
             raise ConfigError(
                 "dataframe",
@@ -193,6 +202,9 @@ def inspect_input(dataframe: DataFrame) -> InputFacts:
         rows=rows,
         columns=tuple(schema.fieldNames()),
         schema_json=json.dumps(schema.jsonValue()),
+        partition_rows=tuple(
+            sorted((int(row["partition"]), int(row["rows"])) for row in per_partition)
+        ),
     )
 
 
@@ -212,13 +224,69 @@ class PreparedInput:
         return to_arrow_schema(self.dataframe.schema)
 
     def laid_out(self, tasks: int) -> DataFrame:
-        """The DataFrame in ``tasks`` partitions of nearly equal size.
+        """The DataFrame in ``tasks`` partitions whose sizes differ by at most one row.
 
-        Spark's round-robin ``repartition`` deals each input partition's rows out on its own,
-        so sizes differ by at most the number of input partitions; the ranks of smaller
-        shards wrap around to their own start so that every rank has the same rows per epoch.
+        Every row gets its position in the whole input (its input partition's offset, from
+        :func:`inspect_input`'s counts, plus its place in that partition); task ``t`` gets the
+        positions ``[t * rows / tasks, (t + 1) * rows / tasks)``, shuffled there by a key whose
+        Spark hash lands in partition ``t``. Spark's round-robin ``repartition(tasks)`` deals
+        each input partition out on its own and leaves sizes differing by up to the number of
+        input partitions; then the ranks of smaller shards would repeat rows within an epoch.
+        An input that reads differently the second time (a nondeterministic query) gets
+        uneven shards, never lost rows; the ranks still see equal batch counts.
         """
-        return self.dataframe.repartition(tasks)
+        from pyspark.sql import functions as F
+
+        facts = self.facts
+        if not facts.partition_rows:
+            return self.dataframe.repartition(tasks)
+        offsets: list[Any] = []
+        start = 0
+        for partition, count in facts.partition_rows:
+            offsets += [F.lit(partition), F.lit(start)]
+            start += count
+        in_partition = F.monotonically_increasing_id().bitwiseAND(F.lit(_ROW_NUMBER_MASK))
+        position = F.element_at(F.create_map(*offsets), F.spark_partition_id()) + in_partition
+        task = F.least(F.floor(position * F.lit(tasks) / F.lit(facts.rows)), F.lit(tasks - 1))
+        keys = F.array(*[F.lit(key) for key in partition_keys(tasks)])
+        key = F.element_at(keys, task.cast("int") + 1)
+        return self.dataframe.repartition(tasks, key.alias(_LAYOUT_KEY)).drop(_LAYOUT_KEY)
+
+
+# monotonically_increasing_id() is (partition id << 33) + the row's number in its partition.
+_ROW_NUMBER_MASK = (1 << 33) - 1
+_LAYOUT_KEY = "__sparktorch_ops_task"
+
+
+def spark_hash_int(value: int, seed: int = 42) -> int:
+    """Spark's ``hash()`` of an INT (Murmur3 x86 32-bit, as ``Murmur3_x86_32.hashInt``): the
+    hash that ``repartition(n, column)`` takes modulo ``n`` to place a row."""
+
+    def rotate(x: int, bits: int) -> int:
+        return ((x << bits) | (x >> (32 - bits))) & 0xFFFFFFFF
+
+    k1 = (value & 0xFFFFFFFF) * 0xCC9E2D51 & 0xFFFFFFFF
+    k1 = rotate(k1, 15) * 0x1B873593 & 0xFFFFFFFF
+    h1 = (seed & 0xFFFFFFFF) ^ k1
+    h1 = (rotate(h1, 13) * 5 + 0xE6546B64) & 0xFFFFFFFF
+    h1 ^= 4
+    h1 ^= h1 >> 16
+    h1 = h1 * 0x85EBCA6B & 0xFFFFFFFF
+    h1 ^= h1 >> 13
+    h1 = h1 * 0xC2B2AE35 & 0xFFFFFFFF
+    h1 ^= h1 >> 16
+    return h1 - (1 << 32) if h1 & 0x80000000 else h1
+
+
+def partition_keys(tasks: int) -> list[int]:
+    """For each task ``t``, the smallest INT ``k`` that ``repartition(tasks, k)`` sends to
+    partition ``t`` (``pmod(hash(k), tasks) == t``)."""
+    keys: dict[int, int] = {}
+    candidate = 0
+    while len(keys) < tasks:
+        keys.setdefault(spark_hash_int(candidate) % tasks, candidate)
+        candidate += 1
+    return [keys[task] for task in range(tasks)]
 
 
 def prepare_input(data: DataInput, session: Any) -> PreparedInput:

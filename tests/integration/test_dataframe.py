@@ -53,13 +53,26 @@ def test_uneven_partitions_reach_every_rank_equally(spark: Any, mode: str) -> No
     epoch = len(ranks[0]["ids"])  # the larger shard; the smaller one wraps to match it
     assert len(ranks[1]["ids"]) == epoch and epoch == max(len(first), len(second))
     assert [r["batches"] for r in ranks] == [-(-epoch // 64)] * 2
-    if mode == "local":  # the driver deals rows out one by one: 501 and 500
-        assert sorted([len(first), len(second)]) == [500, 501]
+    assert sorted([len(first), len(second)]) == [500, 501]  # exact layout, whatever the input
     assert result.input == {
         "rows": 1001,
         "columns": ["id", "features", "label"],
         "source": "a DataFrame",
     }
+
+
+def test_rows_that_divide_evenly_reach_exactly_one_rank_once(spark: Any) -> None:
+    from pyspark.sql import functions as F
+
+    # 1,200 rows hashed by a skewed bucket into 5 partitions of very different sizes.
+    frame = _frame(spark, 1200, 3).repartition(5, (F.col("id") % 7 * F.col("id") % 5).alias("b"))
+    assert len(set(frame.rdd.glom().map(len).collect())) > 1
+    result = TorchDistributor(
+        num_processes=2, local_mode=False, use_gpu=False, spark=spark
+    ).launch_on_dataframe(ids_seen, frame, 50)
+    seen = sorted(i for rank in result.value["ranks"] for i in rank["ids"])
+    assert seen == list(range(1200))  # no row twice, none missing
+    assert [len(rank["ids"]) for rank in result.value["ranks"]] == [600, 600]
 
 
 def test_pyspark_name_and_bad_input_are_typed_errors(spark: Any) -> None:
