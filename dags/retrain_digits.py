@@ -1,10 +1,16 @@
-"""Nightly retraining of the digits CNN: prepare data -> DDP training -> evaluate -> publish.
+"""Nightly retraining of the digits CNN: append the day's data -> DDP training on Spark ->
+evaluate -> publish.
 
-The training is ``examples/ddp_train.py``'s ``train()`` run with DDP on 2 processes through
-:class:`~sparktorch_ops.airflow.TorchDistributorOperator` (local mode: the ranks run on the
-worker, no Spark). The trained ``state_dict`` is not JSON, so the operator writes it to its result
-location and its XCom holds the URI; ``evaluate`` reads it back from there. ``publish`` saves a
-versioned model with its metrics in the registry and promotes it only if it beats the current one.
+``append_data`` writes the logical date's rows into a Parquet table partitioned by ``ds``
+(``examples/pipeline.py``; a rerun of the day replaces only that day's partition). ``train`` is
+:class:`~sparktorch_ops.airflow.TorchDistributorOperator` in barrier mode on an embedded Spark
+(``local[2]``: two barrier tasks, one DDP rank each) with the templated ``input_sql`` selecting
+every day up to ``{{ ds }}``; each rank trains on its equal share through
+``sparktorch_ops.data.partition_loader`` (``examples/ddp_train.py``'s ``train_on_partition``).
+The trained ``state_dict`` is not JSON, so the operator writes it to its result location and its
+XCom holds the URI; ``evaluate`` reads it back from there and scores it on the held-out split.
+``publish`` saves a versioned model with its metrics in the registry and promotes it only if it
+beats the current one.
 
 Run it once, end to end, without a scheduler::
 
@@ -45,7 +51,7 @@ def _examples() -> None:
 
 
 def train_digits(**kwargs: Any) -> dict[str, Any]:
-    """Run on every rank: ``examples/ddp_train.py``'s DDP ``train(**kwargs)``.
+    """Run on every rank: ``examples/ddp_train.py``'s DDP ``train_on_partition(**kwargs)``.
 
     torch and the example are imported here, on the ranks, not when the scheduler parses this
     file. (For a cluster, ship the example with the function or install it on the executors.)
@@ -53,8 +59,15 @@ def train_digits(**kwargs: Any) -> dict[str, Any]:
     _examples()
     import ddp_train
 
-    result: dict[str, Any] = ddp_train.train(**kwargs)
+    result: dict[str, Any] = ddp_train.train_on_partition(**kwargs)
     return result
+
+
+def _spark_conf() -> dict[str, str]:
+    _examples()
+    import pipeline
+
+    return dict(pipeline.SPARK_CONF)
 
 
 with DAG(
@@ -80,35 +93,37 @@ with DAG(
 ) as dag:
 
     @task
-    def prepare_data(registry: str, seed: int) -> str:
-        """Write the fixed-seed train/test split of scikit-learn's digits; return its path."""
+    def append_data(registry: str, day: str, seed: int) -> dict[str, Any]:
+        """Append the day's rows to the Parquet table (embedded Spark); write the held-out split."""
         _examples()
         import pipeline
 
-        return str(pipeline.prepare_data(registry, seed=int(seed)))
+        written = pipeline.append_day_on_embedded_spark(registry, day, seed=int(seed))
+        log.info("%(day_rows)d rows for %(ds)s in %(table)s (%(days)d days)", written)
+        return written
 
-    data_path = prepare_data("{{ params.registry }}", "{{ params.seed }}")
+    data = append_data("{{ params.registry }}", "{{ ds }}", "{{ params.seed }}")
 
     train = TorchDistributorOperator(
         task_id="train",
         train=train_digits,
-        train_kwargs={
-            "epochs": "{{ params.epochs }}",
-            "seed": "{{ params.seed }}",
-            "data_path": "{{ ti.xcom_pull(task_ids='prepare_data') }}",
-        },
+        train_kwargs={"epochs": "{{ params.epochs }}", "seed": "{{ params.seed }}"},
+        # Every day up to this run's logical date; Spark lays the rows out over the ranks.
+        input_sql="SELECT pixels, label FROM parquet.`"
+        "{{ ti.xcom_pull(task_ids='append_data')['table'] }}` WHERE ds <= '{{ ds }}'",
         num_processes=2,
-        local_mode=True,
+        local_mode=False,
         use_gpu=False,
+        spark_conf=_spark_conf(),
         # The state_dict is not JSON: it goes here and the XCom carries its URI.
         result_location=RESULTS,
         timeout=datetime.timedelta(minutes=20),
         execution_timeout=datetime.timedelta(minutes=30),
     )
-    data_path >> train
+    data >> train
 
     @task
-    def evaluate(summary: dict[str, Any], data_path: str, results: str) -> dict[str, float]:
+    def evaluate(summary: dict[str, Any], data: dict[str, Any], results: str) -> dict[str, float]:
         """Accuracy and loss of the trained weights on the held-out split."""
         _examples()
         import pipeline
@@ -116,7 +131,8 @@ with DAG(
         from sparktorch_ops.airflow import load_result
 
         trained = load_result(summary, result_location=results)
-        metrics: dict[str, float] = pipeline.evaluate(trained["state_dict"], data_path)
+        metrics: dict[str, float] = pipeline.evaluate(trained["state_dict"], data["holdout"])
+        metrics["train_rows"] = float(summary["input"]["rows"])
         metrics["train_loss"] = float(trained["losses"][-1])
         return metrics
 
@@ -147,7 +163,7 @@ with DAG(
         )
         return {k: v for k, v in record.items() if k != "previous"}
 
-    metrics = evaluate(train.output, data_path, RESULTS)
+    metrics = evaluate(train.output, data, RESULTS)
     publish(
         train.output,
         metrics,

@@ -68,6 +68,57 @@ def load_digits(seed: int = 0, data_path: str | None = None) -> dict[str, torch.
     return {key: torch.from_numpy(value) for key, value in arrays.items()}
 
 
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _fit(
+    batches: Any,
+    epochs: int,
+    lr: float,
+    seed: int,
+    device: torch.device,
+    test: tuple[torch.Tensor, torch.Tensor] | None,
+) -> dict[str, Any]:
+    """The DDP training loop both entry points share: ``batches(epoch)`` yields ``(x, y)``."""
+    torch.manual_seed(seed)
+    model = DistributedDataParallel(
+        DigitsCNN().to(device), device_ids=[device.index] if device.type == "cuda" else None
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses: list[float] = []
+    for epoch in range(epochs):
+        total, count = 0.0, 0
+        for x, y in batches(epoch):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x.to(device)), y.to(device))
+            loss.backward()
+            optimizer.step()
+            total, count = total + loss.item() * len(y), count + len(y)
+        epoch_loss = torch.tensor([total, count], dtype=torch.float64, device=device)
+        dist.all_reduce(epoch_loss)
+        losses.append(float(epoch_loss[0] / epoch_loss[1]))
+        report(step=epoch, progress=(epoch + 1) / epochs, loss=losses[-1])
+        if dist.get_rank() == 0:
+            print(f"epoch {epoch}: loss {losses[-1]:.4f}", flush=True)
+    accuracy = None
+    if test is not None:
+        with torch.no_grad():
+            logits = model.module(test[0].to(device))
+            accuracy = float((logits.argmax(1).cpu() == test[1]).float().mean())
+    state = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
+    return {
+        "state_dict": state,
+        "losses": losses,
+        "test_accuracy": accuracy,
+        "world_size": dist.get_world_size(),
+    }
+
+
 def train(
     epochs: int = 5,
     lr: float = 0.05,
@@ -76,49 +127,42 @@ def train(
     data_path: str | None = None,
 ) -> dict[str, Any]:
     """Train with DDP on every rank; every rank returns the same weights and its losses."""
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    device = (
-        torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu")
-    )
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = _device()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        torch.manual_seed(seed)
         data = load_digits(seed, data_path)
         dataset = TensorDataset(data["x_train"], data["y_train"])
         sampler = DistributedSampler(dataset, shuffle=True, seed=seed)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-        model = DistributedDataParallel(
-            DigitsCNN().to(device), device_ids=[device.index] if use_cuda else None
-        )
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-        losses: list[float] = []
-        for epoch in range(epochs):
+
+        def batches(epoch: int) -> Any:
             sampler.set_epoch(epoch)
-            total, count = 0.0, 0
-            for x, y in loader:
-                optimizer.zero_grad()
-                loss = F.cross_entropy(model(x.to(device)), y.to(device))
-                loss.backward()
-                optimizer.step()
-                total, count = total + loss.item() * len(y), count + len(y)
-            epoch_loss = torch.tensor([total, count], dtype=torch.float64, device=device)
-            dist.all_reduce(epoch_loss)
-            losses.append(float(epoch_loss[0] / epoch_loss[1]))
-            report(step=epoch, progress=(epoch + 1) / epochs, loss=losses[-1])
-            if dist.get_rank() == 0:
-                print(f"epoch {epoch}: loss {losses[-1]:.4f}", flush=True)
-        with torch.no_grad():
-            logits = model.module(data["x_test"].to(device))
-            accuracy = float((logits.argmax(1).cpu() == data["y_test"]).float().mean())
-        state = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
-        return {
-            "state_dict": state,
-            "losses": losses,
-            "test_accuracy": accuracy,
-            "world_size": dist.get_world_size(),
-        }
+            return loader
+
+        return _fit(batches, epochs, lr, seed, device, (data["x_test"], data["y_test"]))
+    finally:
+        dist.destroy_process_group()
+
+
+def train_on_partition(
+    epochs: int = 5, lr: float = 0.05, batch_size: int = 64, seed: int = 0
+) -> dict[str, Any]:
+    """Train with DDP on the rows Spark gave this rank (``TorchDistributor.train_on_dataframe``
+    or an ``input_sql``): columns ``pixels`` (64 floats) and ``label``, shuffled per epoch.
+    Every rank gets the same number of batches, so DDP's all-reduces never wait on a rank
+    that ran out of data."""
+    from sparktorch_ops.data import partition_loader
+
+    device = _device()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        loader = partition_loader(batch_size, columns=["pixels", "label"], shuffle=True, seed=seed)
+
+        def batches(epoch: int) -> Any:
+            loader.set_epoch(epoch)
+            return ((b["pixels"].view(-1, 1, 8, 8), b["label"].long()) for b in loader)
+
+        return _fit(batches, epochs, lr, seed, device, None)
     finally:
         dist.destroy_process_group()
 

@@ -1,10 +1,16 @@
-"""Nightly retraining with Prefect: prepare data -> train (DDP, 2 ranks) -> evaluate -> publish.
+"""Nightly retraining with Prefect: append the day's data -> train (DDP, 2 ranks, on Spark) ->
+evaluate -> publish.
 
-The model is examples/ddp_train.py's CNN on scikit-learn's digits; the steps around training
-are examples/pipeline.py's. A new version is saved every run and promoted to current only when
-its test accuracy beats the current model's. Everything lives under ``--registry``.
+The data step appends the run's day to a Parquet table partitioned by ``ds`` (a rerun of the
+day replaces only that day's partition); training runs in barrier mode on an embedded Spark
+(``local[2]``: two barrier tasks, one DDP rank each) on every day up to the run's, each rank
+reading its equal share with ``sparktorch_ops.data.partition_loader``. The model is
+examples/ddp_train.py's CNN on scikit-learn's digits; the steps around training are
+examples/pipeline.py's. A new version is saved every run and promoted to current only when its
+held-out accuracy beats the current model's. Everything lives under ``--registry``.
 
     python flows/retrain_digits.py --once            # one run now (Prefect's ephemeral server)
+    python flows/retrain_digits.py --once --day 2025-03-01     # the run for a past day
     python flows/retrain_digits.py                   # serve: a run every night at 03:00
     python flows/retrain_digits.py --cron "*/30 * * * *" --epochs 5
 
@@ -43,9 +49,11 @@ train_digits = run_torch_distributor.with_options(
 
 
 @task(cache_policy=NO_CACHE)
-def prepare_data(registry: str, seed: int) -> str:
-    """Write the fixed-seed train/test split of the digits; return the .npz path."""
-    return pipeline.prepare_data(registry, seed)
+def append_data(registry: str, day: str, seed: int) -> dict[str, Any]:
+    """Append the day's rows to the Parquet table (embedded Spark); write the held-out split."""
+    written = pipeline.append_day_on_embedded_spark(registry, day, seed)
+    get_run_logger().info("%(day_rows)d rows for %(ds)s in %(table)s (%(days)d days)", written)
+    return written
 
 
 @task(cache_policy=NO_CACHE)
@@ -91,6 +99,12 @@ def publish(
     return published
 
 
+def _scheduled_day() -> str:
+    """The day this run is for: its scheduled start (today for a run started by hand)."""
+    scheduled = flow_run.get_scheduled_start_time()
+    return str(scheduled.date().isoformat())
+
+
 def _version() -> str:
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     run_id = flow_run.get_id()
@@ -100,12 +114,13 @@ def _version() -> str:
 @flow(name="retrain-digits")
 def retrain_digits(
     registry: str = DEFAULT_REGISTRY,
-    epochs: int = 5,
+    epochs: int = 10,
     lr: float = 0.05,
     batch_size: int = 64,
     seed: int = 0,
     num_processes: int = 2,
     version: str | None = None,
+    day: str | None = None,
 ) -> dict[str, Any]:
     """Retrain the digits model with DDP and publish it, promoting it if it is better.
 
@@ -115,27 +130,26 @@ def retrain_digits(
         lr: SGD learning rate.
         batch_size: per-rank batch size.
         seed: data split and initialisation seed.
-        num_processes: DDP ranks (on this machine, CPU).
+        num_processes: DDP ranks, one per barrier task (the embedded Spark has 2 slots).
         version: the model version to publish (default: a UTC timestamp and the run id).
+        day: the day (YYYY-MM-DD) whose data this run appends and trains up to (default: the
+            run's scheduled day).
 
     Returns:
         The published record: version, path, metrics, promoted, previous_version.
     """
-    data_path = prepare_data(registry, seed)
+    day = day or _scheduled_day()
+    data = append_data(registry, day, seed)
     trained = train_digits(
-        ddp_train.train,
-        train_kwargs={
-            "epochs": epochs,
-            "lr": lr,
-            "batch_size": batch_size,
-            "seed": seed,
-            "data_path": data_path,
-        },
+        ddp_train.train_on_partition,
+        train_kwargs={"epochs": epochs, "lr": lr, "batch_size": batch_size, "seed": seed},
+        input_sql=pipeline.training_query(registry, day),
         num_processes=num_processes,
-        local_mode=True,
+        local_mode=False,
         use_gpu=False,
+        spark_conf=pipeline.SPARK_CONF,
     )
-    metrics = evaluate(trained["state_dict"], data_path)
+    metrics = evaluate(trained["state_dict"], data["holdout"])
     return publish(registry, trained["state_dict"], metrics, version or _version())
 
 
@@ -144,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--once", action="store_true", help="run the flow once and exit")
     parser.add_argument("--registry", default=DEFAULT_REGISTRY)
-    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--num-processes", type=int, default=2)
+    parser.add_argument("--day", default=None, help="YYYY-MM-DD (default: the run's day)")
     parser.add_argument("--cron", default="0 3 * * *", help="schedule when serving")
     parser.add_argument("--name", default="nightly", help="deployment name when serving")
     args = parser.parse_args(argv)
@@ -154,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         "epochs": args.epochs,
         "num_processes": args.num_processes,
     }
+    if args.day:
+        params["day"] = args.day
     if args.once:
         state = retrain_digits(**params, return_state=True)
         if not state.is_completed():

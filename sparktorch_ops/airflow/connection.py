@@ -89,7 +89,7 @@ def resolve_connection(conn_id: str, log: Any) -> SparkConnection:
                 "k8s://https://host, local[4])"
             ) from None
         log.info(
-            "sparktorch_ops: no connection %r: using local Spark (master %s)",
+            "sparktorch_ops: no connection %r: the master is spark_conf's spark.master, else %s",
             conn_id,
             FALLBACK_MASTER,
         )

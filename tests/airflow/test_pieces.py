@@ -77,7 +77,7 @@ def test_default_connection_may_be_absent_others_may_not(caplog: pytest.LogCaptu
     with caplog.at_level(logging.INFO, logger=LOG.name):
         fallback = resolve_connection("spark_default", LOG)
     assert (fallback.master, fallback.conn_id) == ("local[*]", None)
-    assert "no connection 'spark_default': using local Spark" in caplog.text
+    assert "no connection 'spark_default': the master is spark_conf's" in caplog.text
     with pytest.raises(MissingConnectionError, match="'sto_no_such_conn' does not exist"):
         resolve_connection("sto_no_such_conn", LOG)
 

@@ -163,7 +163,10 @@ def test_operator_on_a_standalone_cluster_from_a_connection(
     default = read_xcom("sto_cluster", run_id, "default_conn")
     assert default["mode"] == "barrier"
     assert default["app_id"].startswith("local-")
-    assert "no connection 'spark_default': using local Spark (master local[*])" in output
+    assert (
+        "no connection 'spark_default': the master is spark_conf's spark.master, else local[*]"
+        in output
+    )
     # Its live UI died with the task and no History Server is configured: no link.
     assert read_xcom("sto_cluster", run_id, "default_conn", key="_link_SparkUILink") == ""
     assert re.search(r"\[info\s*\] \[rank 1\|[^\]]+\] training started on rank 1", output)

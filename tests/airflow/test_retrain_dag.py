@@ -22,14 +22,16 @@ def test_example_dag_loads_without_import_errors() -> None:
     assert dag.schedule == dag.timetable.expression == "0 3 * * *"
     assert dag.start_date is not None and dag.start_date.tzinfo is not None
     assert {t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks} == {
-        "prepare_data": ["evaluate", "train"],
+        "append_data": ["evaluate", "train"],
         "train": ["evaluate", "publish"],
         "evaluate": ["publish"],
         "publish": [],
     }
     train = dag.get_task("train")
     assert type(train).__name__ == "TorchDistributorOperator"
-    assert (train.num_processes, train.local_mode, train.use_gpu) == (2, True, False)
+    assert (train.num_processes, train.local_mode, train.use_gpu) == (2, False, False)
+    assert train.spark_conf["spark.master"] == "local[2]"
+    assert "WHERE ds <= '{{ ds }}'" in train.input_sql
 
 
 def test_example_dag_trains_evaluates_and_publishes(
@@ -40,7 +42,10 @@ def test_example_dag_trains_evaluates_and_publishes(
     assert outcome.state == "success"
 
     train = outcome.xcom("train")
-    assert (train["num_processes"], train["mode"]) == (2, "local")
+    assert (train["num_processes"], train["mode"]) == (2, "barrier")
+    day = outcome.logical_date.strftime("%Y-%m-%d")
+    assert (registry / "warehouse" / "digits" / f"ds={day}").is_dir()
+    assert train["input"]["rows"] == 600 and train["input"]["columns"] == ["pixels", "label"]
     # The weights are not JSON: they went to the run's result location, not into XCom.
     assert "value" not in train
     assert train["value_uri"].startswith((registry / "runs").as_uri())
@@ -58,3 +63,26 @@ def test_example_dag_trains_evaluates_and_publishes(
     current = json.loads((registry / "current.json").read_text())
     assert current["version"] == published["version"] == model_dir.name
     assert "[rank 0|" in outcome.task_log("train") and "epoch 5: loss" in outcome.task_log("train")
+
+
+def test_each_scheduled_run_trains_on_the_days_up_to_its_logical_date(
+    airflow_db: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    import pendulum
+
+    from tests.airflow.conftest import load_dag, read_xcom
+
+    registry = tmp_path_factory.mktemp("registry")
+    dag = load_dag("retrain_digits")
+    seen = []
+    # March 2nd first; March 1st backfilled late sees only its own day, not March 2nd's rows.
+    for day in (2, 1, 3):
+        run = dag.test(
+            logical_date=pendulum.datetime(2025, 3, day, 3, tz="UTC"),
+            run_conf={"registry": str(registry), "epochs": 1},
+        )
+        assert str(run.state) == "success"
+        seen.append(read_xcom(run.dag_id, run.run_id, "train", "return_value")["input"]["rows"])
+    assert seen == [600, 600, 1800]
+    partitions = sorted(p.name for p in (registry / "warehouse" / "digits").glob("ds=*"))
+    assert partitions == ["ds=2025-03-01", "ds=2025-03-02", "ds=2025-03-03"]

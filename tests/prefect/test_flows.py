@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "flows"))
 def test_retrain_digits_flow_publishes_and_reports(registry: Path) -> None:
     from retrain_digits import retrain_digits
 
-    state = retrain_digits(registry=str(registry), epochs=2, return_state=True)
+    state = retrain_digits(registry=str(registry), epochs=2, day="2025-03-02", return_state=True)
     assert state.is_completed(), state.message
     record = state.result()
     assert record["promoted"] is True and record["previous_version"] is None
@@ -35,7 +35,8 @@ def test_retrain_digits_flow_publishes_and_reports(registry: Path) -> None:
 
     flow_run_id = state.state_details.flow_run_id
     runs = {run.name.rsplit("-", 1)[0]: run for run in task_runs(flow_run_id, count=4)}
-    assert set(runs) == {"prepare_data", "train-digits", "evaluate", "publish"}
+    assert set(runs) == {"append_data", "train-digits", "evaluate", "publish"}
+    assert [p.name for p in (registry / "warehouse" / "digits").glob("ds=*")] == ["ds=2025-03-02"]
     assert all(run.state.is_completed() for run in runs.values())
 
     artifacts = flow_run_artifacts(flow_run_id)
@@ -48,14 +49,15 @@ def test_retrain_digits_flow_publishes_and_reports(registry: Path) -> None:
     for text in (
         "completed",
         "| Processes | 2 |",
-        "local (ranks on the driver)",
+        "barrier",
+        "| Input | 600 rows from sql:",
         "loss",
         "persisted in Prefect result storage at",
     ):
         assert text in summary, text
     stored = summary.split("persisted in Prefect result storage at `", 1)[1].split("`", 1)[0]
     assert Path(stored).is_file()  # the trained value really is in result storage
-    assert "train-digits-spark-ui" not in artifacts  # local mode: no Spark UI
+    assert "](http://" in artifacts["train-digits-spark-ui"].data  # barrier mode: the Spark UI
     model_card = artifacts["retrain-digits-model"].data
     assert record["version"] in model_card and "promoted to current" in model_card
 
