@@ -104,6 +104,21 @@ with DAG(
 
     data = append_data("{{ params.registry }}", "{{ ds }}", "{{ params.seed }}")
 
+    @task
+    def champion(registry: str) -> str | None:
+        """The promoted model's weights file: training warm-starts from it (None: scratch)."""
+        _examples()
+        import pipeline
+
+        path = pipeline.champion_file(registry)
+        if path:
+            log.info("training warm-starts from the promoted model %s", path)
+        else:
+            log.info("no promoted model yet: training starts from scratch")
+        return path
+
+    warm = champion("{{ params.registry }}")
+
     train = TorchDistributorOperator(
         task_id="train",
         train=train_digits,
@@ -115,12 +130,15 @@ with DAG(
         local_mode=False,
         use_gpu=False,
         spark_conf=_spark_conf(),
+        # Weights of the promoted model before epoch 0; a retry of this task resumes from its
+        # own checkpoints instead (under result_location, kept across tries).
+        warm_start_from="{{ ti.xcom_pull(task_ids='champion') }}",
         # The state_dict is not JSON: it goes here and the XCom carries its URI.
         result_location=RESULTS,
         timeout=datetime.timedelta(minutes=20),
         execution_timeout=datetime.timedelta(minutes=30),
     )
-    data >> train
+    [data, warm] >> train
 
     @task
     def evaluate(summary: dict[str, Any], data: dict[str, Any], results: str) -> dict[str, float]:

@@ -84,14 +84,28 @@ def _fit(
     device: torch.device,
     test: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> dict[str, Any]:
-    """The DDP training loop both entry points share: ``batches(epoch)`` yields ``(x, y)``."""
+    """The DDP training loop both entry points share: ``batches(epoch)`` yields ``(x, y)``.
+
+    With a ``checkpoint_dir`` (``SPARKTORCH_CHECKPOINT_DIR``), the model, optimizer and losses
+    are saved after every epoch, and a restarted or retried run resumes after the latest
+    complete one (or, when there is none yet, starts from ``warm_start_from``'s weights).
+    """
     torch.manual_seed(seed)
     model = DistributedDataParallel(
         DigitsCNN().to(device), device_ids=[device.index] if device.type == "cuda" else None
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     losses: list[float] = []
-    for epoch in range(epochs):
+    checkpoints = None
+    first_epoch = 0
+    if os.environ.get("SPARKTORCH_CHECKPOINT_DIR"):
+        from sparktorch_ops import checkpoint as checkpoints
+
+        state = checkpoints.TrainingState(model, optimizer, losses=losses)
+        resumed = checkpoints.load_latest(state)
+        if resumed is not None:
+            first_epoch, losses = resumed + 1, state.extra["losses"]
+    for epoch in range(first_epoch, epochs):
         total, count = 0.0, 0
         for x, y in batches(epoch):
             optimizer.zero_grad()
@@ -105,17 +119,20 @@ def _fit(
         report(step=epoch, progress=(epoch + 1) / epochs, loss=losses[-1])
         if dist.get_rank() == 0:
             print(f"epoch {epoch}: loss {losses[-1]:.4f}", flush=True)
+        if checkpoints is not None:
+            checkpoints.save(checkpoints.TrainingState(model, optimizer, losses=losses), epoch)
     accuracy = None
     if test is not None:
         with torch.no_grad():
             logits = model.module(test[0].to(device))
             accuracy = float((logits.argmax(1).cpu() == test[1]).float().mean())
-    state = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
+    state_dict = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
     return {
-        "state_dict": state,
+        "state_dict": state_dict,
         "losses": losses,
         "test_accuracy": accuracy,
         "world_size": dist.get_world_size(),
+        "first_epoch": first_epoch,
     }
 
 

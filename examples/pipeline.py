@@ -124,6 +124,14 @@ def current_model(registry: str) -> dict[str, Any] | None:
     return record
 
 
+def champion_file(registry: str) -> str | None:
+    """The promoted model's weights file (what the next training warm-starts from), or None."""
+    current = current_model(registry)
+    if current is None or not Path(current["path"]).is_file():
+        return None
+    return str(current["path"])
+
+
 def publish(
     registry: str, state_dict: dict[str, Any], metrics: dict[str, float], version: str
 ) -> dict[str, Any]:

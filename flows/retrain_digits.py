@@ -140,6 +140,12 @@ def retrain_digits(
     """
     day = day or _scheduled_day()
     data = append_data(registry, day, seed)
+    champion = pipeline.champion_file(registry)
+    get_run_logger().info(
+        f"training warm-starts from the promoted model {champion}"
+        if champion
+        else "no promoted model yet: training starts from scratch"
+    )
     trained = train_digits(
         ddp_train.train_on_partition,
         train_kwargs={"epochs": epochs, "lr": lr, "batch_size": batch_size, "seed": seed},
@@ -148,6 +154,8 @@ def retrain_digits(
         local_mode=False,
         use_gpu=False,
         spark_conf=pipeline.SPARK_CONF,
+        # Weights of the promoted model before epoch 0; a retry resumes from its checkpoints.
+        warm_start_from=champion,
     )
     metrics = evaluate(trained["state_dict"], data["holdout"])
     return publish(registry, trained["state_dict"], metrics, version or _version())

@@ -60,6 +60,16 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="most ranks local mode may start (default 4 per CPU of this machine)",
     )
+    run.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="where the ranks' sparktorch_ops.checkpoint saves and resumes (path or fsspec URL)",
+    )
+    run.add_argument(
+        "--warm-start-from",
+        default=None,
+        help="checkpoint directory or model file to load weights from when there is no checkpoint",
+    )
     run.add_argument("--timeout", type=float, default=None, help="seconds the run may take")
     run.add_argument(
         "--start-timeout",
@@ -101,6 +111,8 @@ def _job(args: argparse.Namespace, logger: logging.Logger, token: CancelToken) -
         spark=SparkSettings(master=args.master, conf=_conf(args.conf)),
         max_restarts=args.max_restarts,
         max_local_processes=args.max_local_processes,
+        checkpoint_dir=args.checkpoint_dir,
+        warm_start_from=args.warm_start_from,
         timeout=args.timeout,
         start_timeout=args.start_timeout,
         logger=logger,

@@ -23,7 +23,7 @@ from typing import Any
 import cloudpickle
 import pendulum
 
-from sparktorch_ops import errors, events
+from sparktorch_ops import checkpoint, errors, events
 from sparktorch_ops import spark as spark_support
 from sparktorch_ops.channel import ChannelServer
 from sparktorch_ops.collector import RunCollector
@@ -110,6 +110,18 @@ class _ConsoleOutput:
 _console = _ConsoleOutput()
 
 
+def _driver_latest_step(directory: str, log: logging.Logger) -> int | None:
+    """The latest complete checkpoint's step as the driver sees it (None when it cannot look:
+    a directory only the executors reach)."""
+    try:
+        return checkpoint.latest_step(directory=directory)
+    except Exception as exc:
+        log.warning(
+            "sparktorch_ops: cannot list checkpoints in %s from the driver: %s", directory, exc
+        )
+        return None
+
+
 def _new_run_id() -> str:
     return f"sparktorch-{uuid.uuid4().hex[:16]}"
 
@@ -142,6 +154,12 @@ class TorchDistributor:
             beyond it the run fails with :class:`ResultTooLargeError`.
         max_local_processes: the most ranks local mode may start (default 4 per CPU of the
             driver).
+        checkpoint_dir: where :mod:`sparktorch_ops.checkpoint` saves and resumes on the ranks
+            (env ``SPARKTORCH_CHECKPOINT_DIR``): a path every rank reaches or an fsspec URL.
+            A restarted worker group (``max_restarts``) and a rerun with the same directory
+            resume from its latest complete checkpoint.
+        warm_start_from: a checkpoint directory or a ``torch.save``'d model file whose weights
+            ``load_latest`` loads when ``checkpoint_dir`` has no checkpoint yet (a resume wins).
     """
 
     def __init__(
@@ -163,6 +181,8 @@ class TorchDistributor:
         allow_unencrypted_channel: bool = False,
         max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
         max_local_processes: int | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        warm_start_from: str | os.PathLike[str] | None = None,
     ) -> None:
         self.spec = LaunchSpec(
             num_processes=num_processes,
@@ -180,6 +200,8 @@ class TorchDistributor:
             allow_unencrypted_channel=allow_unencrypted_channel,
             max_result_bytes=max_result_bytes,
             max_local_processes=max_local_processes,
+            checkpoint_dir=checkpoint_dir,  # type: ignore[arg-type]
+            warm_start_from=warm_start_from,  # type: ignore[arg-type]
         )
         if spark is not None:
             spark_support.refuse_connect(spark)
@@ -569,6 +591,7 @@ class _Run:
             )
             plan = plan_run(spec, describe(payload), facts)
             machine.emit(events.PLANNED, nodes=plan.layout.num_tasks)
+            resumed_from = self._announce_checkpoint()
             self._check_cancelled()
             machine.to(RunState.STARTING)
             if sc is None:
@@ -624,7 +647,41 @@ class _Run:
             input=(
                 {**data.facts.summary(), "source": data.description} if data is not None else None
             ),
+            checkpoint=self._checkpoint_summary(resumed_from),
         )
+
+    def _announce_checkpoint(self) -> int | None:
+        """Say whether the ranks will resume, warm start or start fresh; the step resumed."""
+        directory = self.spec.checkpoint_dir
+        if directory is None:
+            return None
+        step = _driver_latest_step(directory, self.log)
+        warm = self.spec.warm_start_from
+        if step is not None:
+            self.log.info(
+                "sparktorch_ops: resuming from step %d of checkpoint_dir %s%s",
+                step,
+                directory,
+                f" (warm_start_from {warm} not used: a resume wins)" if warm else "",
+            )
+        elif warm is not None:
+            self.log.info(
+                "sparktorch_ops: no checkpoint in %s yet: warm start from %s", directory, warm
+            )
+        else:
+            self.log.info("sparktorch_ops: no checkpoint in %s yet: starting fresh", directory)
+        return step
+
+    def _checkpoint_summary(self, resumed_from: int | None) -> dict[str, Any] | None:
+        directory = self.spec.checkpoint_dir
+        if directory is None:
+            return None
+        return {
+            "dir": directory,
+            "resumed_from_step": resumed_from,
+            "warm_start_from": self.spec.warm_start_from if resumed_from is None else None,
+            "latest_step": _driver_latest_step(directory, self.log),
+        }
 
     def _on_phase(self, collector: RunCollector, name: str, **where: Any) -> None:
         """A phase seen on the channel; the last rank to connect makes the run RUNNING."""

@@ -69,3 +69,76 @@ def lightning_trainer_kwargs(env: Mapping[str, str] | None = None) -> dict[str, 
             )
         nodes = world // local
     return {"devices": local, "num_nodes": nodes}
+
+
+def latest_ckpt_path(directory: str | None = None) -> str | None:
+    """The newest Lightning ``.ckpt`` file directly under ``directory``, for ``ckpt_path=``.
+
+    Lightning's ``ModelCheckpoint(dirpath=directory)`` names files ``epoch=E-step=S.ckpt``
+    (and ``last.ckpt`` with ``save_last=True``). The newest is the one with the highest step
+    (then epoch, then modification time; names without them rank below those with them), unless
+    a ``last*.ckpt`` file was written at the same time or later (Lightning writes ``last.ckpt``
+    after the top-k file of the same save). Use it to resume a run that torchrun restarted or
+    that a pipeline retried::
+
+        checkpoints = ModelCheckpoint(dirpath=checkpoint_dir(), save_last=True)
+        trainer.fit(model, ckpt_path=latest_ckpt_path())
+
+    Args:
+        directory: a local directory or an fsspec URL (default:
+            :func:`sparktorch_ops.checkpoint.checkpoint_dir`, the run's ``checkpoint_dir``).
+
+    Returns:
+        The file's path (a URL for a URL directory), or None when no directory is set, it does
+        not exist, or it holds no ``.ckpt`` file (``ckpt_path=None`` starts fresh).
+    """
+    import re
+
+    from sparktorch_ops.checkpoint import checkpoint_dir
+
+    root = directory if directory is not None else checkpoint_dir()
+    if not root:
+        return None
+    entries: list[tuple[str, float]] = []  # (name, mtime)
+    if "://" in root:
+        from fsspec.core import url_to_fs
+
+        fs, path = url_to_fs(root)
+        try:
+            fs.invalidate_cache(path)
+            listing = fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return None
+        for info in listing:
+            name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
+            if info.get("type") == "file" and name.endswith(".ckpt"):
+                try:
+                    mtime = fs.modified(info["name"]).timestamp()
+                except (NotImplementedError, OSError, AttributeError):
+                    mtime = 0.0
+                entries.append((name, mtime))
+    else:
+        try:
+            names = os.listdir(root)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        for name in names:
+            full = os.path.join(root, name)
+            if name.endswith(".ckpt") and os.path.isfile(full):
+                entries.append((name, os.path.getmtime(full)))
+
+    def number(name: str, key: str) -> int:
+        match = re.search(rf"(?:^|[-_]){key}=(\d+)", name)
+        return int(match.group(1)) if match else -1
+
+    lasts = [e for e in entries if e[0].startswith("last")]
+    others = [e for e in entries if not e[0].startswith("last")]
+    best = max(
+        others, key=lambda e: (number(e[0], "step"), number(e[0], "epoch"), e[1]), default=None
+    )
+    last = max(lasts, key=lambda e: e[1], default=None)
+    if last is not None and (best is None or last[1] >= best[1]):
+        best = last
+    if best is None:
+        return None
+    return root.rstrip("/") + "/" + best[0] if "://" in root else os.path.join(root, best[0])

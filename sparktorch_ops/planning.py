@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sparktorch_ops.checkpoint import CHECKPOINT_DIR_ENV, WARM_START_ENV
 from sparktorch_ops.errors import ConfigError, ResourceError
 
 # The environment every process of a run carries. RUN_ID_ENV doubles as the marker that finds
@@ -138,6 +139,25 @@ def agent_env(
         env["OMP_NUM_THREADS"] = str(omp_threads)
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+    return env
+
+
+# torchrun shares its rendezvous store with the ranks on one port for the whole run; a restarted
+# worker group then reads the dead group's gloo addresses (pytorch/pytorch#135712). With this
+# set, each attempt's ranks get a fresh store.
+UNSHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def run_env(spec: Any) -> dict[str, str]:
+    """What every rank's environment adds for the job's options: the user's ``env``, the
+    checkpoint locations, and a store per restart attempt when restarts are allowed."""
+    env = dict(spec.env)
+    if spec.checkpoint_dir is not None:
+        env[CHECKPOINT_DIR_ENV] = spec.checkpoint_dir
+    if spec.warm_start_from is not None:
+        env[WARM_START_ENV] = spec.warm_start_from
+    if spec.max_restarts > 0:
+        env.setdefault(UNSHARED_STORE_ENV, "1")
     return env
 
 
@@ -495,7 +515,7 @@ def plan_run(spec: Any, payload: str, facts: RunFacts) -> RunPlan:
             node=i,
             ranks=tuple(range(i * per, (i + 1) * per)),
             argv=argv,
-            user_env=dict(spec.env),
+            user_env=run_env(spec),
             host=hosts,
             cuda_visible_devices=gpus,
             omp_threads=omp,

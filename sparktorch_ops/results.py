@@ -120,6 +120,9 @@ class RunResult:
             ``metrics`` within its bound (``collector.MAX_METRIC_RECORDS``); ``on_metrics`` saw
             them all.
         input: with DataFrame input: ``rows``, ``columns`` and ``source`` (what was read).
+        checkpoint: with ``checkpoint_dir``: ``dir``, ``resumed_from_step`` (the step the run
+            resumed from, None when it started fresh), ``warm_start_from`` (when it applied)
+            and ``latest_step`` (the latest complete checkpoint when the run ended).
     """
 
     value: Any
@@ -136,6 +139,7 @@ class RunResult:
     run_id: str = field(default="")
     metrics_dropped: int = 0
     input: dict[str, Any] | None = None
+    checkpoint: dict[str, Any] | None = None
 
     @property
     def duration(self) -> pendulum.Duration:
@@ -182,6 +186,8 @@ class RunResult:
             summary["metrics_dropped"] = self.metrics_dropped
         if self.input is not None:
             summary["input"] = dict(self.input)
+        if self.checkpoint is not None:
+            summary["checkpoint"] = dict(self.checkpoint)
         return summary
 
 

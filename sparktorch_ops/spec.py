@@ -235,6 +235,42 @@ def _check_local_processes(num_processes: int, max_local_processes: int | None) 
     )
 
 
+def check_location(argument: str, value: object, *, must_exist: bool = False) -> str | None:
+    """A checkpoint location: an absolute local path (made so on the driver, since executors
+    have other working directories) or an fsspec URL whose protocol is installed.
+
+    Raises:
+        ConfigError: not a path or URL, an fsspec protocol without its package, or (with
+            ``must_exist``) a local path that does not exist.
+    """
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(argument, f"must be a path or an fsspec URL, got {value!r}")
+    value = value.strip()
+    if "://" in value:
+        protocol = value.split("://", 1)[0]
+        import fsspec
+
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ImportError, ValueError) as exc:
+            raise ConfigError(
+                argument,
+                f"{value!r}: fsspec cannot open {protocol}:// URLs here ({exc}); install its "
+                "package on the driver and every executor (s3fs, gcsfs, adlfs, ...)",
+            ) from None
+        return value
+    path = os.path.abspath(os.path.expanduser(value))
+    if must_exist and not os.path.exists(path):
+        raise ConfigError(
+            argument, f"{path} does not exist: give a checkpoint directory or a model file"
+        )
+    return path
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """Every option of a launch, validated at construction.
@@ -262,6 +298,12 @@ class LaunchSpec:
         max_local_processes: the most ranks local mode may start (default
             ``LOCAL_PROCESSES_PER_CPU`` (4) times the driver's CPU count); more is a
             ConfigError naming ``num_processes`` before anything starts.
+        checkpoint_dir: where the ranks' :mod:`sparktorch_ops.checkpoint` helpers save and
+            resume (``SPARKTORCH_CHECKPOINT_DIR``): a path every rank reaches (made absolute)
+            or an fsspec URL.
+        warm_start_from: a checkpoint directory or a model file whose weights the ranks'
+            ``load_latest`` loads when ``checkpoint_dir`` holds no checkpoint yet
+            (``SPARKTORCH_WARM_START_FROM``).
     """
 
     num_processes: int = 1
@@ -279,6 +321,8 @@ class LaunchSpec:
     allow_unencrypted_channel: bool = False
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
     max_local_processes: int | None = None
+    checkpoint_dir: str | None = None
+    warm_start_from: str | None = None
 
     def __post_init__(self) -> None:
         _require_int("num_processes", self.num_processes, 1)
@@ -296,6 +340,14 @@ class LaunchSpec:
         object.__setattr__(self, "start_timeout", to_seconds("start_timeout", self.start_timeout))
         object.__setattr__(self, "timeout", to_seconds("timeout", self.timeout))
         object.__setattr__(self, "log_ranks", _check_log_ranks(self.log_ranks))
+        object.__setattr__(
+            self, "checkpoint_dir", check_location("checkpoint_dir", self.checkpoint_dir)
+        )
+        object.__setattr__(
+            self,
+            "warm_start_from",
+            check_location("warm_start_from", self.warm_start_from, must_exist=True),
+        )
         for name in ("on_metrics", "on_event"):
             hook = getattr(self, name)
             if hook is not None and not callable(hook):

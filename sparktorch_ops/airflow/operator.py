@@ -85,6 +85,13 @@ class TorchDistributorOperator(BaseOperator):
             read with :func:`sparktorch_ops.data.partition_loader`); the summary's ``input``
             gives its rows and columns.
         input_format: the format of ``input_path`` (default ``parquet``).
+        checkpoint_dir: where the ranks' :mod:`sparktorch_ops.checkpoint` saves and resumes
+            (templated). Default: ``<result_location>/checkpoints/<dag>/<run>/<task>~hash``,
+            the task instance's own, shared by its tries: a retry resumes from the previous
+            try's latest checkpoint, a new DAG run starts fresh. On a multi-host cluster it
+            must be storage every executor reaches (an object store URL, a shared mount).
+        warm_start_from: a checkpoint directory or model file whose weights the ranks load
+            when ``checkpoint_dir`` has no checkpoint yet (templated).
         **kwargs: BaseOperator arguments (``task_id``, ``retries``, ``execution_timeout``...).
     """
 
@@ -99,6 +106,8 @@ class TorchDistributorOperator(BaseOperator):
         "input_sql",
         "input_table",
         "input_path",
+        "checkpoint_dir",
+        "warm_start_from",
     )
     template_fields_renderers: ClassVar[dict[str, str]] = {
         "train_kwargs": "py",
@@ -135,6 +144,8 @@ class TorchDistributorOperator(BaseOperator):
         input_table: str | None = None,
         input_path: str | None = None,
         input_format: str = "parquet",
+        checkpoint_dir: str | None = None,
+        warm_start_from: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -163,6 +174,7 @@ class TorchDistributorOperator(BaseOperator):
         self.max_xcom_value_bytes = max_xcom_value_bytes
         self.input_sql, self.input_table = input_sql, input_table
         self.input_path, self.input_format = input_path, input_format
+        self.checkpoint_dir, self.warm_start_from = checkpoint_dir, warm_start_from
         # Read by SparkUILink when the task ends; None: not known in this process.
         self.spark_ui_link: str | None = None
         # Made up front so that on_kill during templating is not lost; a fresh one per try.
@@ -191,6 +203,8 @@ class TorchDistributorOperator(BaseOperator):
                 allow_unencrypted_channel=self.allow_unencrypted_channel,
                 max_result_bytes=self.max_result_bytes,
                 max_local_processes=self.max_local_processes,
+                checkpoint_dir=self._checkpoint_dir(context),
+                warm_start_from=self.warm_start_from or None,
                 logger=self.log,
                 on_metrics=self._on_metrics,
                 on_event=lambda event: self._on_event(event, context),
@@ -217,6 +231,19 @@ class TorchDistributorOperator(BaseOperator):
         ``execute`` tears the run down and raises.
         """
         self._cancel_token.cancel("the Airflow task was killed (on_kill)")
+
+    def _checkpoint_dir(self, context: Context) -> str:
+        """The rendered ``checkpoint_dir``, else the task instance's own (kept across tries)."""
+        if self.checkpoint_dir:
+            return str(self.checkpoint_dir)
+        ti: Any = context["ti"]
+        return storage.checkpoint_location(
+            str(self.result_location or storage.default_result_location()),
+            ti.dag_id,
+            ti.run_id,
+            ti.task_id,
+            getattr(ti, "map_index", -1),
+        )
 
     def _data_input(self) -> DataInput | None:
         """The rendered ``input_*`` arguments as the core's input, or None."""

@@ -150,22 +150,42 @@ def _clean(part: str) -> str:
     return "_" if cleaned.strip(".") == "" else cleaned
 
 
-def result_key(
-    dag_id: str, run_id: str, task_id: str, map_index: int | None, try_number: int
-) -> str:
-    """The relative path of one task try's result: ``dag/run/task[.map]~hash/try-N``.
+def task_key(dag_id: str, run_id: str, task_id: str, map_index: int | None) -> str:
+    """The relative path of one task instance (all its tries): ``dag/run/task[.map]~hash``.
 
     The ids are cleaned to safe, readable path components (never ``.``, ``..`` or empty);
     ``hash`` (16 hex characters of a SHA-256 of the raw ids) keeps ids that clean to the same text
-    (``T00:00:00+00:00`` and ``T00_00_00_00_00``) apart. All tries of a task share the
-    ``task~hash`` directory; each try has its own key, so a retry never meets an earlier try's
-    value.
+    (``T00:00:00+00:00`` and ``T00_00_00_00_00``) apart.
     """
     index = -1 if map_index is None or map_index < 0 else int(map_index)
     raw = json.dumps([dag_id, run_id, task_id, index], ensure_ascii=True)
     digest = hashlib.sha256(raw.encode("ascii")).hexdigest()[:_KEY_HASH_CHARS]
     task = _clean(task_id) if index < 0 else f"{_clean(task_id)}.{index}"
-    return "/".join([_clean(dag_id), _clean(run_id), f"{task}~{digest}", f"try-{int(try_number)}"])
+    return "/".join([_clean(dag_id), _clean(run_id), f"{task}~{digest}"])
+
+
+def result_key(
+    dag_id: str, run_id: str, task_id: str, map_index: int | None, try_number: int
+) -> str:
+    """The relative path of one task try's result: ``dag/run/task[.map]~hash/try-N``
+    (:func:`task_key` plus the try): each try has its own key, so a retry never meets an
+    earlier try's value."""
+    return f"{task_key(dag_id, run_id, task_id, map_index)}/try-{int(try_number)}"
+
+
+def checkpoint_location(
+    location: str, dag_id: str, run_id: str, task_id: str, map_index: int | None
+) -> str:
+    """The default ``checkpoint_dir`` of a task instance: ``<location>/checkpoints/<task_key>``.
+
+    Keyed by dag, run, task and map index but not the try, so a retry of the task instance
+    resumes from its previous try's checkpoints, and a new DAG run starts fresh.
+    """
+    relative = f"checkpoints/{task_key(dag_id, run_id, task_id, map_index)}"
+    local = _local_path(location)
+    if local is not None:
+        return os.path.join(local, *relative.split("/"))
+    return f"{location.rstrip('/')}/{relative}"
 
 
 def _check_key(key: str) -> None:

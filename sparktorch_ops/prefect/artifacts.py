@@ -125,6 +125,7 @@ class RunSummary:
         ui_url: the Spark UI link, if any.
         error: the error's message, for a run that did not complete.
         input: the DataFrame input's ``rows``, ``columns`` and ``source``, if any.
+        checkpoint: ``RunResult.checkpoint``: the directory, the step resumed from, if any.
     """
 
     title: str
@@ -140,6 +141,7 @@ class RunSummary:
     ui_url: str | None = None
     error: str | None = None
     input: Mapping[str, Any] | None = None
+    checkpoint: Mapping[str, Any] | None = None
 
     def complete(self, result: RunResult, where: str) -> None:
         """Fill in a completed run: its duration, metrics, result line, ids and link."""
@@ -149,6 +151,7 @@ class RunSummary:
         self.result = where
         self.run_id, self.app_id, self.ui_url = result.run_id, result.app_id, result.ui_url
         self.input = result.input
+        self.checkpoint = result.checkpoint
 
     def markdown(self) -> str:
         """The summary as markdown."""
@@ -164,6 +167,24 @@ class RunSummary:
             columns = ", ".join(f"`{name}`" for name in self.input.get("columns", ()))
             source = f" from {self.input['source']}" if self.input.get("source") else ""
             rows.append(("Input", f"{self.input.get('rows')} rows{source}; columns {columns}"))
+        if self.checkpoint:
+            resumed = self.checkpoint.get("resumed_from_step")
+            warm = self.checkpoint.get("warm_start_from")
+            start = (
+                f"resumed from step {resumed}"
+                if resumed is not None
+                else f"warm start from `{warm}`"
+                if warm
+                else "started fresh"
+            )
+            latest = self.checkpoint.get("latest_step")
+            rows.append(
+                (
+                    "Checkpoints",
+                    f"{start}; latest step {latest if latest is not None else 'none'} in "
+                    f"`{self.checkpoint.get('dir')}`",
+                )
+            )
         if self.result:
             rows.append(("Result", self.result))
         if self.app_id:

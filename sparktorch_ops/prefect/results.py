@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from prefect.cache_policies import CachePolicy
@@ -59,3 +61,17 @@ def result_location(ctx: TaskRunContext | None, value: Any) -> str:
         where = f"{str(base).rstrip('/')}/{key}" if base else f"key {key}"
         return f"{kind}, persisted in Prefect result storage at `{where}`"
     return f"{kind}, persisted in Prefect result storage" + (f" under `{base}`" if base else "")
+
+
+def default_checkpoint_dir(ctx: TaskRunContext | None) -> str | None:
+    """The task run's own ``checkpoint_dir``: under Prefect's local storage path, keyed by the
+    flow run and the task (its key and its call in the flow), so its retries resume and a new
+    flow run starts fresh. None outside a task run."""
+    if ctx is None:
+        return None
+    from prefect.settings import get_current_settings
+
+    run = ctx.task_run
+    base = Path(get_current_settings().results.local_storage_path).expanduser()
+    task = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{run.task_key}-{run.dynamic_key}")
+    return str(base / "sparktorch_ops" / "checkpoints" / str(run.flow_run_id) / task)

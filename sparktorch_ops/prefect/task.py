@@ -39,6 +39,7 @@ from sparktorch_ops.prefect.artifacts import (
 from sparktorch_ops.prefect.blocks import SparkCluster
 from sparktorch_ops.prefect.results import (
     TASK_RUN_RESULT_KEY,
+    default_checkpoint_dir,
     result_location,
     retry_unless_bad_input,
 )
@@ -105,6 +106,8 @@ def run_torch_distributor(
     input_table: str | None = None,
     input_path: str | None = None,
     input_format: str = "parquet",
+    checkpoint_dir: str | None = None,
+    warm_start_from: str | None = None,
 ) -> Any:
     """Run a training function or script on ``num_processes`` ranks; return rank 0's value.
 
@@ -141,6 +144,13 @@ def run_torch_distributor(
             query, table or path read on the run's session; the summary gives its rows and
             columns. Not part of any cache key.
         input_format: the format of ``input_path`` (default ``parquet``).
+        checkpoint_dir: where the ranks' :mod:`sparktorch_ops.checkpoint` saves and resumes.
+            Default: the task run's own directory under Prefect's local storage path
+            (``.../sparktorch_ops/checkpoints/<flow run>/<task>``): a retry resumes from the
+            previous try's latest checkpoint, a new flow run starts fresh. On a multi-host
+            cluster give storage every executor reaches (an object store URL, a shared mount).
+        warm_start_from: a checkpoint directory or model file whose weights the ranks load
+            when ``checkpoint_dir`` has no checkpoint yet.
 
     Returns:
         Rank 0's return value (a function) or rank 0's stdout (a script).
@@ -188,6 +198,8 @@ def run_torch_distributor(
         allow_unencrypted_channel=allow_unencrypted_channel,
         max_result_bytes=max_result_bytes,
         max_local_processes=max_local_processes,
+        checkpoint_dir=checkpoint_dir or default_checkpoint_dir(ctx),
+        warm_start_from=warm_start_from,
         logger=logger,
         on_metrics=recorder.on_metrics if recorder is not None else None,
         on_event=on_event,

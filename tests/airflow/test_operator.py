@@ -7,6 +7,7 @@ task of it. ``sto_bad_input`` checks that bad input fails at once, without retry
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -146,3 +147,20 @@ def test_templated_sql_input_is_read_by_the_ranks(
     assert f"'{day}' LIKE" in summary["input"]["source"]
     assert f"range(12) WHERE '{day}'" in outcome.rendered("on_sql")["input_sql"]
     assert "starting a SparkSession (master local[2])" in outcome.task_log("on_sql")
+
+
+def test_a_retried_task_resumes_from_its_last_checkpoint(
+    capfd: pytest.CaptureFixture[str], run_dag: Any, tmp_path: Path
+) -> None:
+    marker, results = tmp_path / "failed-once", tmp_path / "results"
+    outcome = run_dag(capfd, "sto_resume", marker=str(marker), results=str(results))
+    assert outcome.task("train").state == "success" and marker.exists()
+    summary = outcome.xcom("train")
+    assert summary["value"] == {"start": 1, "ran": [2, 3], "total": 6.0}  # 0+1, then 2+3
+    checkpoints = summary["checkpoint"]
+    assert checkpoints["resumed_from_step"] == 1 and checkpoints["latest_step"] == 3
+    # The task instance's own directory under result_location, shared by its two tries.
+    assert checkpoints["dir"].startswith(str(results / "checkpoints" / "sto_resume"))
+    first_try, second_try = outcome.log.split("resuming from step 1 of checkpoint_dir", 1)
+    assert "yet: starting fresh" in first_try
+    assert "sparktorch_ops.checkpoint: resumed from step 1 at" in second_try  # rank 0 says so

@@ -23,6 +23,7 @@ def test_example_dag_loads_without_import_errors() -> None:
     assert dag.start_date is not None and dag.start_date.tzinfo is not None
     assert {t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks} == {
         "append_data": ["evaluate", "train"],
+        "champion": ["train"],
         "train": ["evaluate", "publish"],
         "evaluate": ["publish"],
         "publish": [],
@@ -74,7 +75,7 @@ def test_each_scheduled_run_trains_on_the_days_up_to_its_logical_date(
 
     registry = tmp_path_factory.mktemp("registry")
     dag = load_dag("retrain_digits")
-    seen = []
+    seen, warm = [], []
     # March 2nd first; March 1st backfilled late sees only its own day, not March 2nd's rows.
     for day in (2, 1, 3):
         run = dag.test(
@@ -82,7 +83,13 @@ def test_each_scheduled_run_trains_on_the_days_up_to_its_logical_date(
             run_conf={"registry": str(registry), "epochs": 1},
         )
         assert str(run.state) == "success"
-        seen.append(read_xcom(run.dag_id, run.run_id, "train", "return_value")["input"]["rows"])
+        summary = read_xcom(run.dag_id, run.run_id, "train", "return_value")
+        seen.append(summary["input"]["rows"])
+        warm.append(summary["checkpoint"]["warm_start_from"])
     assert seen == [600, 600, 1800]
+    # The first run trains from scratch; later ones warm-start from the promoted model.
+    current = json.loads((registry / "current.json").read_text())
+    assert warm[0] is None and warm[1] is not None and warm[1].startswith(str(registry / "models"))
+    assert Path(current["path"]).is_file()
     partitions = sorted(p.name for p in (registry / "warehouse" / "digits").glob("ds=*"))
     assert partitions == ["ds=2025-03-01", "ds=2025-03-02", "ds=2025-03-03"]

@@ -130,6 +130,34 @@ def test_progress_artifact_is_updated_live(tmp_path: Path) -> None:
     assert artifacts["live-progress"].data == 100
 
 
+def test_a_retry_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
+    from tests.support.checkpointed import steps_with_one_failure
+
+    retried = run_torch_distributor.with_options(name="resumed", retries=1, retry_delay_seconds=0)
+
+    @flow
+    def with_retry(marker: str) -> dict[str, Any]:
+        return retried(
+            steps_with_one_failure, (4, marker), num_processes=2, local_mode=True, use_gpu=False
+        )
+
+    marker = tmp_path / "failed-once"
+    state = with_retry(str(marker), return_state=True)
+    assert state.is_completed(), state.message
+    assert state.result() == {"start": 1, "ran": [2, 3], "total": 6.0} and marker.exists()
+    flow_run_id = state.state_details.flow_run_id
+    [task_run] = task_runs(flow_run_id)
+    assert task_run.run_count == 2
+    logs = [log.message for log in flow_run_logs(flow_run_id)]
+    fresh = [line for line in logs if "yet: starting fresh" in line]
+    resumed = [line for line in logs if line.startswith("sparktorch_ops: resuming from step 1")]
+    assert len(fresh) == 1 and len(resumed) == 1
+    # The task run's own directory, keyed by the flow run: a new flow run starts fresh.
+    assert f"/sparktorch_ops/checkpoints/{flow_run_id}/" in resumed[0]
+    summary = flow_run_artifacts(flow_run_id)["resumed-summary"].data
+    assert "resumed from step 1; latest step 3" in summary
+
+
 def test_retry_reruns_the_whole_job(tmp_path: Path) -> None:
     retried = run_torch_distributor.with_options(
         name="retried training", retries=1, retry_delay_seconds=0

@@ -59,6 +59,7 @@ def test_local_plan_is_one_node_with_every_rank() -> None:
         planning.NODE_HOST_ENV: "driver",
         planning.LAUNCHER_PID_ENV: "42",
         "OMP_NUM_THREADS": "2",
+        planning.UNSHARED_STORE_ENV: "1",  # max_restarts=1
     }
 
 
@@ -131,3 +132,22 @@ def test_bind_fills_placeholders_even_over_a_nested_runs_variables() -> None:
         secret_path="/s", launcher_pid=1, host="w0", rdzv_endpoint="w0:1",
     )  # fmt: skip
     assert agent.env[planning.PAYLOAD_ENV] == "/p" and agent.env[planning.NODE_HOST_ENV] == "w0"
+
+
+def test_checkpoint_options_and_restarts_reach_every_rank_env() -> None:
+    from sparktorch_ops.checkpoint import CHECKPOINT_DIR_ENV, WARM_START_ENV
+    from sparktorch_ops.planning import UNSHARED_STORE_ENV, run_env
+
+    spec = LaunchSpec(checkpoint_dir="file:///shared/ck", max_restarts=1, env={"A": "1"})
+    assert run_env(spec) == {
+        "A": "1",
+        CHECKPOINT_DIR_ENV: "file:///shared/ck",
+        UNSHARED_STORE_ENV: "1",  # each restart attempt gets its own store
+    }
+    assert run_env(LaunchSpec(env={"A": "1"})) == {"A": "1"}
+    assert WARM_START_ENV not in run_env(spec)
+    # The user's own setting of the store switch is kept.
+    assert (
+        run_env(LaunchSpec(max_restarts=2, env={UNSHARED_STORE_ENV: "0"}))[UNSHARED_STORE_ENV]
+        == "0"
+    )

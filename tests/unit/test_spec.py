@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +120,23 @@ def test_nul_bytes_are_config_errors_before_anything_starts(kwargs: dict, argume
     with pytest.raises(ConfigError, match="NUL") as info:
         LaunchSpec(**kwargs)
     assert info.value.argument == argument
+
+
+def test_checkpoint_locations_are_checked_and_made_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.pt").write_bytes(b"")
+    spec = LaunchSpec(checkpoint_dir="ck", warm_start_from="model.pt")
+    assert spec.checkpoint_dir == str(tmp_path / "ck")  # executors have other working dirs
+    assert spec.warm_start_from == str(tmp_path / "model.pt")
+    assert LaunchSpec(checkpoint_dir="file:///shared/ck").checkpoint_dir == "file:///shared/ck"
+    with pytest.raises(ConfigError, match="install its package") as info:
+        LaunchSpec(checkpoint_dir="nosuchproto://bucket/ck")
+    assert info.value.argument == "checkpoint_dir"
+    with pytest.raises(ConfigError, match="does not exist") as info:
+        LaunchSpec(warm_start_from=tmp_path / "missing.pt")
+    assert info.value.argument == "warm_start_from"
+    with pytest.raises(ConfigError) as info:
+        LaunchSpec(checkpoint_dir=3)  # type: ignore[arg-type]
+    assert info.value.argument == "checkpoint_dir"

@@ -1,0 +1,682 @@
+"""Checkpoints on the ranks: save and load times of ``sparktorch_ops.checkpoint``, and the cost
+of a save next to a training step of the example model.
+
+Three parts, each on a temporary directory on local disk (deleted at the end):
+
+- **One process** (no process group): for each size in ``--sizes`` (MiB of float32, in
+  ``--chunk-mib`` tensors of an ``nn.ParameterList``, random values), ``save(TrainingState(
+  model), 0)`` into a fresh directory, then ``load_latest`` into the same model after zeroing
+  it (checked against checksums). ``torch.save`` (then ``fsync``) / ``torch.load`` +
+  ``load_state_dict`` of the same state is measured alongside as a reference; the two
+  alternate round by round. A discarded first round on a 1 MiB state takes the one-time costs
+  (imports, DCP's first call); its times are kept apart.
+- **Two ranks**: ``TorchDistributor(num_processes=2, local_mode=True, use_gpu=False,
+  checkpoint_dir=DIR)``; every rank wraps the same model in DDP (so the state is replicated,
+  and DCP writes one copy, spread over the ranks), and times its own ``save`` and
+  ``load_latest`` between barriers (a fresh step directory under ``DIR`` per repeat). Rank 0's
+  time and the slowest rank's are reported.
+- **Save vs training step**: ``DigitsCNN`` of ``examples/ddp_train.py``, batch 64 of random
+  1x8x8 inputs, SGD with momentum: the median time of one step (forward, backward, optimizer
+  step) and of ``save(TrainingState(model, optimizer, losses=[...]), step)`` (``keep=3``, as
+  the example saves every epoch), in one process with ``--threads`` torch threads (default:
+  cores / 2, what a rank of a 2-rank local run gets) and on 2 DDP ranks. The per-epoch
+  overhead assumes the pipeline's epoch: 1200-1800 rows over 2 ranks at batch 64, i.e.
+  10-15 steps per rank (``--epoch-steps``).
+
+Sizes are MiB (2**20 bytes); MiB/s is the state's size over the time. Loads read files that
+the save just wrote, so they come from the page cache; saves ``fsync`` their files (DCP's
+``FileSystemWriter`` default).
+
+    python benchmarks/checkpoint.py --sizes 100,1000 --repeats 3
+    python benchmarks/checkpoint.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+from common import log, median, print_table, ratio
+
+common.prepare_environment()
+
+NAME = "checkpoint"
+EXAMPLE = common.ROOT / "examples" / "ddp_train.py"
+BATCH = 64
+QUICK_SIZES = "10,50"
+
+
+# -- helpers shared by the driver process and the ranks (no benchmark module in them) --------
+def make_state(mib: int, chunk_mib: int, seed: int = 0) -> Any:
+    """An ``nn.ParameterList`` of float32 random tensors, ``mib`` MiB in all."""
+    import torch
+    from torch import nn
+
+    generator = torch.Generator().manual_seed(seed)
+    total = mib * 2**20 // 4
+    chunk = max(1, chunk_mib * 2**20 // 4)
+    params = []
+    while total > 0:
+        n = min(chunk, total)
+        params.append(nn.Parameter(torch.randn(n, generator=generator)))
+        total -= n
+    return nn.ParameterList(params)
+
+
+def checksums(module: Any) -> list[float]:
+    """One float64 sum per tensor: enough to tell a loaded state from a zeroed one."""
+    import torch
+
+    return [float(p.detach().sum(dtype=torch.float64)) for p in module.parameters()]
+
+
+def zero(module: Any) -> None:
+    """Overwrite every parameter with zeros, in place (so a load has to bring the values)."""
+    import torch
+
+    with torch.no_grad():
+        for p in module.parameters():
+            p.zero_()
+
+
+def tree_bytes(path: str) -> tuple[int, int]:
+    """(bytes, files) under ``path``."""
+    total = files = 0
+    for folder, _dirs, names in os.walk(path):
+        for name in names:
+            total += os.path.getsize(os.path.join(folder, name))
+            files += 1
+    return total, files
+
+
+def quiet() -> Any:
+    """A logger for ``load_latest``'s one line (dropped)."""
+    import logging
+
+    logger = logging.getLogger("bench.checkpoint.quiet")
+    logger.propagate = False
+    if not logger.handlers:
+        logger.addHandler(logging.NullHandler())
+    return logger
+
+
+def load_example(path: str) -> Any:
+    """``examples/ddp_train.py`` as a module (for ``DigitsCNN``)."""
+    spec = importlib.util.spec_from_file_location("ddp_train_example", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# -- one process ---------------------------------------------------------------------------
+def dcp_once(model: Any, directory: str, expected: list[float]) -> dict[str, Any]:
+    """sparktorch_ops' save, then load_latest into the zeroed model; times and size on disk."""
+    from sparktorch_ops.checkpoint import TrainingState, load_latest, save
+
+    state = TrainingState(model)
+    started = time.perf_counter()
+    step_dir = save(state, 0, directory=directory)
+    save_s = time.perf_counter() - started
+    disk, files = tree_bytes(step_dir)
+    zero(model)
+    started = time.perf_counter()
+    step = load_latest(state, directory=directory, log=quiet())
+    load_s = time.perf_counter() - started
+    if step != 0 or checksums(model) != expected:
+        raise AssertionError("load_latest did not bring back the saved values")
+    return {"save_s": save_s, "load_s": load_s, "disk_bytes": disk, "files": files}
+
+
+def torch_save_once(model: Any, directory: str, expected: list[float]) -> dict[str, Any]:
+    """Reference: torch.save + fsync of the state dict, torch.load + load_state_dict."""
+    import torch
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "state.pt")
+    started = time.perf_counter()
+    with open(path, "wb") as handle:
+        torch.save(model.state_dict(), handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    save_s = time.perf_counter() - started
+    disk = os.path.getsize(path)
+    zero(model)
+    started = time.perf_counter()
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    load_s = time.perf_counter() - started
+    if checksums(model) != expected:
+        raise AssertionError("torch.load did not bring back the saved values")
+    return {"save_s": save_s, "load_s": load_s, "disk_bytes": disk, "files": 1}
+
+
+VARIANTS = {"sparktorch_ops (DCP)": dcp_once, "torch.save (reference)": torch_save_once}
+
+
+def one_process(
+    sizes: list[int], repeats: int, chunk_mib: int, root: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every size, the variants alternating per round; (first-call figures, results by size)."""
+    warm_model = make_state(1, chunk_mib, seed=1)
+    first = {}
+    for name, once in VARIANTS.items():
+        first[name] = once(warm_model, os.path.join(root, "warm", name[:5]), checksums(warm_model))
+        log(f"first call, 1 MiB, {name}: save {first[name]['save_s']:.3f} s, load {first[name]['load_s']:.3f} s")
+    results: dict[str, Any] = {}
+    for mib in sizes:
+        log(f"one process: building a {mib} MiB state")
+        model = make_state(mib, chunk_mib)
+        expected = checksums(model)
+        samples: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
+        names = list(VARIANTS)
+        for index in range(repeats):
+            order = names[index % len(names) :] + names[: index % len(names)]
+            for name in order:
+                directory = os.path.join(root, f"one-{mib}-{index}-{name[:5]}")
+                gc.collect()
+                sample = VARIANTS[name](model, directory, expected)
+                shutil.rmtree(directory, ignore_errors=True)
+                samples[name].append(sample)
+                log(
+                    f"one process {mib} MiB {name} {index + 1}/{repeats}: save "
+                    f"{sample['save_s']:.2f} s, load {sample['load_s']:.2f} s"
+                )
+        results[str(mib)] = {
+            name: summarize(mib, s, len(list(model.parameters()))) for name, s in samples.items()
+        }
+        del model
+        gc.collect()
+    return first, results
+
+
+def summarize(mib: int, samples: list[dict[str, Any]], tensors: int) -> dict[str, Any]:
+    """Medians, min/max and MiB/s of one variant at one size."""
+    save = [s["save_s"] for s in samples]
+    load = [s["load_s"] for s in samples]
+    save_med, load_med = median(save), median(load)
+    return {
+        "state_mib": mib,
+        "tensors": tensors,
+        "disk_mib": samples[0]["disk_bytes"] / 2**20 if samples else None,
+        "files": samples[0]["files"] if samples else None,
+        "save_median_s": save_med,
+        "save_min_s": min(save, default=None),
+        "save_max_s": max(save, default=None),
+        "save_mib_per_s": mib / save_med if save_med else None,
+        "load_median_s": load_med,
+        "load_min_s": min(load, default=None),
+        "load_max_s": max(load, default=None),
+        "load_mib_per_s": mib / load_med if load_med else None,
+        "runs": len(samples),
+        "samples": samples,
+    }
+
+
+# -- two ranks -----------------------------------------------------------------------------
+def rank_sizes(sizes: list[int], repeats: int, chunk_mib: int) -> Any:
+    """On every rank: DDP-replicated states of each size, save/load timed per rank."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from sparktorch_ops.checkpoint import TrainingState, checkpoint_dir, load_latest, save
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    root = checkpoint_dir()
+    assert root is not None, "SPARKTORCH_CHECKPOINT_DIR is not set"
+    mine: dict[str, Any] = {"rank": rank, "sizes": {}}
+    try:
+        for label, mib, reps in [("first", 1, 1), *((str(m), m, repeats) for m in sizes)]:
+            model = make_state(mib, chunk_mib, seed=0 if label != "first" else 1)
+            expected = checksums(model)
+            ddp = DistributedDataParallel(model)
+            state = TrainingState(ddp)
+            samples = []
+            for index in range(reps):
+                directory = os.path.join(root, f"ranks-{label}-{index}")
+                dist.barrier()
+                started = time.perf_counter()
+                step_dir = save(state, 0, directory=directory)
+                save_s = time.perf_counter() - started
+                dist.barrier()
+                disk, files = tree_bytes(step_dir)
+                zero(model)
+                dist.barrier()
+                started = time.perf_counter()
+                step = load_latest(state, directory=directory, log=quiet())
+                load_s = time.perf_counter() - started
+                ok = step == 0 and checksums(model) == expected
+                dist.barrier()
+                if rank == 0:
+                    shutil.rmtree(directory, ignore_errors=True)
+                samples.append(
+                    {"save_s": save_s, "load_s": load_s, "disk_bytes": disk, "files": files, "ok": ok}
+                )
+            mine["sizes"][label] = samples
+            del ddp, state, model
+            gc.collect()
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+    finally:
+        dist.destroy_process_group()
+    return gathered
+
+
+def two_ranks(
+    sizes: list[int], repeats: int, chunk_mib: int, root: str, timeout: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run :func:`rank_sizes` on 2 local ranks; (first-call figures, results by size)."""
+    from sparktorch_ops import TorchDistributor
+
+    directory = os.path.join(root, "ranks")
+    os.makedirs(directory)
+    ranks = TorchDistributor(
+        num_processes=2,
+        local_mode=True,
+        use_gpu=False,
+        checkpoint_dir=directory,
+        logger=common.quiet_logger(),
+        timeout=timeout,
+    ).run(rank_sizes, sizes, repeats, chunk_mib)
+    if not isinstance(ranks, list) or len(ranks) != 2:
+        raise AssertionError(f"expected two ranks' figures, got {ranks!r:.200}")
+    ranks.sort(key=lambda r: r["rank"])
+    per_label: dict[str, Any] = {}
+    for label in ranks[0]["sizes"]:
+        runs = list(zip(*(r["sizes"][label] for r in ranks), strict=True))
+        if not all(s["ok"] for run in runs for s in run):
+            raise AssertionError(f"2 ranks, {label}: a load did not bring back the saved values")
+        mib = 1 if label == "first" else int(label)
+        save0 = [run[0]["save_s"] for run in runs]
+        load0 = [run[0]["load_s"] for run in runs]
+        save_max = [max(s["save_s"] for s in run) for run in runs]
+        load_max = [max(s["load_s"] for s in run) for run in runs]
+        per_label[label] = {
+            "state_mib": mib,
+            "disk_mib": runs[0][0]["disk_bytes"] / 2**20,
+            "files": runs[0][0]["files"],
+            "save_rank0_median_s": median(save0),
+            "save_max_median_s": median(save_max),
+            "save_mib_per_s": ratio(mib, median(save_max)),
+            "load_rank0_median_s": median(load0),
+            "load_max_median_s": median(load_max),
+            "load_mib_per_s": ratio(mib, median(load_max)),
+            "runs": len(runs),
+            "per_rank": [r["sizes"][label] for r in ranks],
+        }
+    first = per_label.pop("first")
+    return first, per_label
+
+
+# -- save vs training step -----------------------------------------------------------------
+def cnn_figures(
+    example: str, steps: int, warmup: int, saves: int, directory: str | None
+) -> dict[str, Any]:
+    """Step and save times of the example's DigitsCNN, here or on every rank (DDP when a
+    process group can be formed); one process's figures."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from sparktorch_ops.checkpoint import TrainingState, checkpoint_dir, save
+
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)
+        model: Any = load_example(example).DigitsCNN()
+        if distributed:
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        x = torch.randn(BATCH * 8, 1, 8, 8)
+        y = torch.randint(0, 10, (BATCH * 8,))
+        step_s: list[float] = []
+        losses: list[float] = []
+        for index in range(warmup + steps):
+            lo = (index % 8) * BATCH
+            started = time.perf_counter()
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x[lo : lo + BATCH]), y[lo : lo + BATCH])
+            loss.backward()
+            optimizer.step()
+            elapsed = time.perf_counter() - started
+            if index >= warmup:
+                step_s.append(elapsed)
+            losses.append(float(loss.detach()))
+        root = directory or checkpoint_dir()
+        assert root is not None
+        save_s: list[float] = []
+        step_dir = ""
+        for index in range(saves + 1):  # the first save is kept apart
+            if distributed:
+                dist.barrier()
+            started = time.perf_counter()
+            step_dir = save(TrainingState(model, optimizer, losses=losses[: index + 1]), index, directory=root)
+            save_s.append(time.perf_counter() - started)
+        disk, files = tree_bytes(step_dir)
+        return {
+            "rank": dist.get_rank() if distributed else 0,
+            "torch_threads": torch.get_num_threads(),
+            "params": sum(p.numel() for p in model.parameters()),
+            "step_s": step_s,
+            "first_save_s": save_s[0],
+            "save_s": save_s[1:],
+            "disk_bytes": disk,
+            "files": files,
+        }
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+
+
+def rank_cnn(example: str, steps: int, warmup: int, saves: int) -> Any:
+    """On every rank: :func:`cnn_figures` with DDP; all ranks' figures (on rank 0)."""
+    import torch.distributed as dist
+
+    figures = cnn_figures(example, steps, warmup, saves, None)
+    dist.init_process_group("gloo")
+    try:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, figures)
+    finally:
+        dist.destroy_process_group()
+    return gathered
+
+
+def overhead(step_s: float | None, save_s: float | None, epoch_steps: list[int]) -> dict[str, Any]:
+    """save / step, and a save's share of an epoch of each length (one save per epoch)."""
+    per_epoch = {
+        str(n): save_s / (save_s + n * step_s) if save_s and step_s else None for n in epoch_steps
+    }
+    return {
+        "step_median_s": step_s,
+        "save_median_s": save_s,
+        "save_over_step": ratio(save_s, step_s),
+        "save_share_of_epoch": per_epoch,
+        "epoch_with_save_over_without": {
+            str(n): (1 + save_s / (n * step_s)) if save_s and step_s else None for n in epoch_steps
+        },
+    }
+
+
+def save_vs_step(
+    args: argparse.Namespace, root: str
+) -> dict[str, Any]:
+    """The CNN part, one process then 2 DDP ranks."""
+    import torch
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        single = cnn_figures(
+            str(EXAMPLE), args.steps, args.warmup_steps, args.saves, os.path.join(root, "cnn-one")
+        )
+    finally:
+        torch.set_num_threads(threads_before)
+    results: dict[str, Any] = {
+        "one_process": {
+            **single,
+            **overhead(median(single["step_s"]), median(single["save_s"]), args.epoch_steps),
+        }
+    }
+    if args.ranks:
+        from sparktorch_ops import TorchDistributor
+
+        directory = os.path.join(root, "cnn-ranks")
+        os.makedirs(directory)
+        ranks = TorchDistributor(
+            num_processes=2,
+            local_mode=True,
+            use_gpu=False,
+            checkpoint_dir=directory,
+            logger=common.quiet_logger(),
+            timeout=args.timeout,
+        ).run(rank_cnn, str(EXAMPLE), args.steps, args.warmup_steps, args.saves)
+        ranks.sort(key=lambda r: r["rank"])
+        # A DDP step and a collective save end together on both ranks: take the slower rank.
+        step_max = [max(s) for s in zip(*(r["step_s"] for r in ranks), strict=True)]
+        save_max = [max(s) for s in zip(*(r["save_s"] for r in ranks), strict=True)]
+        results["two_ranks"] = {
+            "per_rank": ranks,
+            "first_save_max_s": max(r["first_save_s"] for r in ranks),
+            "disk_bytes": ranks[0]["disk_bytes"],
+            "files": ranks[0]["files"],
+            "torch_threads": ranks[0]["torch_threads"],
+            "save_rank0_median_s": median(ranks[0]["save_s"]),
+            **overhead(median(step_max), median(save_max), args.epoch_steps),
+        }
+    return results
+
+
+# -- output --------------------------------------------------------------------------------
+def write_json(path: str, payload: dict[str, Any], machine: dict[str, Any]) -> None:
+    """Like ``common.write_results``, to a path of one's choosing."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    document = {"benchmark": NAME, "machine": machine, "argv": sys.argv[1:], **payload}
+    target.write_text(json.dumps(document, indent=2, default=str) + "\n")
+    print(f"\nwrote {target}")
+
+
+def ms(seconds: float | None) -> float | None:
+    """Seconds to milliseconds (None stays None)."""
+    return None if seconds is None else seconds * 1000
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the options, run the three parts, print the tables, write the JSON."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default="100,1000", help="comma-separated state sizes, MiB")
+    parser.add_argument("--repeats", type=int, default=3, help="save+load runs per size")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"smoke run: sizes {QUICK_SIZES}, 2 repeats, fewer steps"
+    )
+    parser.add_argument("--chunk-mib", type=int, default=32, help="MiB per tensor of the state")
+    parser.add_argument("--steps", type=int, default=200, help="timed CNN training steps")
+    parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--saves", type=int, default=20, help="timed CNN saves (after a first one)")
+    parser.add_argument(
+        "--epoch-steps",
+        default="10,15",
+        help="steps per rank per epoch for the overhead figure (the pipeline: 1200-1800 rows, "
+        "2 ranks, batch 64)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="torch threads of the one-process CNN part (default: what a rank of 2 gets)",
+    )
+    parser.add_argument("--no-ranks", dest="ranks", action="store_false", help="skip the 2-rank runs")
+    parser.add_argument("--tmpdir", default=None, help="where the temporary directory goes")
+    parser.add_argument("--timeout", type=float, default=1800, help="per 2-rank run, seconds")
+    parser.add_argument("--name", default=NAME, help="results file name")
+    parser.add_argument("--json", default=None, help="write the results here instead")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes = QUICK_SIZES if args.sizes == parser.get_default("sizes") else args.sizes
+        args.repeats = min(args.repeats, 2)
+        args.steps, args.warmup_steps, args.saves = 50, 5, 5
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    args.epoch_steps = [int(s) for s in args.epoch_steps.split(",") if s.strip()]
+
+    machine = common.machine_info()
+    root = tempfile.mkdtemp(prefix="sparktorch-ckpt-bench-", dir=args.tmpdir)
+    log(f"temporary directory {root}")
+    try:
+        first_one, one = one_process(sizes, args.repeats, args.chunk_mib, root)
+        first_ranks: dict[str, Any] | None = None
+        ranks: dict[str, Any] = {}
+        if args.ranks:
+            log("two ranks: sizes " + ",".join(map(str, sizes)))
+            first_ranks, ranks = two_ranks(sizes, args.repeats, args.chunk_mib, root, args.timeout)
+        log("save vs training step: DigitsCNN")
+        cnn = save_vs_step(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    rows = []
+    for mib in sizes:
+        for name, s in one[str(mib)].items():
+            rows.append(
+                [
+                    mib,
+                    name,
+                    s["tensors"],
+                    s["disk_mib"],
+                    s["save_median_s"],
+                    f"{s['save_min_s']:.2f}-{s['save_max_s']:.2f}",
+                    s["save_mib_per_s"],
+                    s["load_median_s"],
+                    f"{s['load_min_s']:.2f}-{s['load_max_s']:.2f}",
+                    s["load_mib_per_s"],
+                    s["runs"],
+                ]
+            )
+    print_table(
+        f"Checkpoint, one process (no process group), float32 state in {args.chunk_mib} MiB "
+        f"tensors; medians of {args.repeats}",
+        [
+            "MiB",
+            "variant",
+            "tensors",
+            "on disk MiB",
+            "save s",
+            "min-max",
+            "save MiB/s",
+            "load s",
+            "min-max",
+            "load MiB/s",
+            "runs",
+        ],
+        rows,
+    )
+    print(
+        "first call (1 MiB, discarded): "
+        + "; ".join(
+            f"{name} save {f['save_s']:.3f} s / load {f['load_s']:.3f} s"
+            for name, f in first_one.items()
+        )
+    )
+    if args.ranks:
+        print_table(
+            f"Checkpoint, 2 ranks (local mode, gloo, DDP-replicated state); medians of {args.repeats}",
+            [
+                "MiB",
+                "on disk MiB",
+                "files",
+                "save s rank 0",
+                "save s max",
+                "save MiB/s",
+                "load s rank 0",
+                "load s max",
+                "load MiB/s",
+                "runs",
+            ],
+            [
+                [
+                    mib,
+                    r["disk_mib"],
+                    r["files"],
+                    r["save_rank0_median_s"],
+                    r["save_max_median_s"],
+                    r["save_mib_per_s"],
+                    r["load_rank0_median_s"],
+                    r["load_max_median_s"],
+                    r["load_mib_per_s"],
+                    r["runs"],
+                ]
+                for mib, r in ((m, ranks[str(m)]) for m in sizes)
+            ],
+        )
+        assert first_ranks is not None
+        print(
+            f"first call on the ranks (1 MiB, discarded): save {first_ranks['save_max_median_s']:.3f} s"
+            f" / load {first_ranks['load_max_median_s']:.3f} s (slowest rank); MiB/s: state size"
+            " over the slowest rank's time"
+        )
+
+    cnn_rows = []
+    settings = [("one process", cnn["one_process"])]
+    if "two_ranks" in cnn:
+        settings.append(("2 ranks, DDP (slowest rank)", cnn["two_ranks"]))
+    for label, c in settings:
+        cnn_rows.append(
+            [
+                label,
+                c["torch_threads"],
+                ms(c["step_median_s"]),
+                ms(c["save_median_s"]),
+                c["save_over_step"],
+                *(
+                    f"{100 * (c['epoch_with_save_over_without'][str(n)] - 1):.0f}%"
+                    for n in args.epoch_steps
+                ),
+                c["disk_bytes"] / 1024,
+            ]
+        )
+    print_table(
+        f"Save vs training step: DigitsCNN ({cnn['one_process']['params']:,} parameters), batch "
+        f"{BATCH}, SGD momentum; medians of {args.steps} steps and {args.saves} saves",
+        [
+            "setting",
+            "threads",
+            "step ms",
+            "save ms",
+            "save / step",
+            *(f"+epoch @{n} steps" for n in args.epoch_steps),
+            "on disk KiB",
+        ],
+        cnn_rows,
+    )
+    print(
+        "+epoch @N steps: what one save per epoch adds to an epoch of N training steps per rank "
+        "(the pipeline: 1200-1800 rows over 2 ranks at batch 64 = 10-15 steps); data loading "
+        "and the epoch's all-reduce are not counted, so the real share is smaller."
+    )
+
+    payload = {
+        "sizes_mib": sizes,
+        "repeats": args.repeats,
+        "chunk_mib": args.chunk_mib,
+        "one_process": one,
+        "one_process_first_call": first_one,
+        "two_ranks": ranks,
+        "two_ranks_first_call": first_ranks,
+        "save_vs_step": cnn,
+        "assumptions": {
+            "epoch_steps_per_rank": args.epoch_steps,
+            "epoch": "1200-1800 rows per epoch over 2 ranks, batch 64: 10-15 steps per rank",
+            "save_frequency": "one save per epoch (examples/ddp_train.py)",
+        },
+        "notes": (
+            "Sizes in MiB; MiB/s = state size / median time. Loads read files just written "
+            "(page cache); saves fsync (DCP FileSystemWriter default). Each size's save goes to "
+            "a fresh directory (no pruning in the timed save); the CNN saves go to one "
+            "directory with keep=3 (pruning included). 2 ranks: every rank times its own call "
+            "between barriers; 'max' is the slowest rank per run, then the median over runs."
+        ),
+    }
+    if args.json:
+        write_json(args.json, payload, machine)
+    else:
+        common.write_results(args.name, payload, machine)
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

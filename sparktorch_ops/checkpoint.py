@@ -1,0 +1,803 @@
+"""Checkpoints on the ranks: save, resume and warm start with ``torch.distributed.checkpoint``.
+
+Every rank of a run sees ``SPARKTORCH_CHECKPOINT_DIR`` (:data:`CHECKPOINT_DIR_ENV`), a local
+path or an fsspec URL (``file:///x``, ``s3://bucket/x``, ``memory://x``) that every rank can
+reach (a shared file system or an object store; a plain local path only serves a single node).
+Inside the training function::
+
+    state = TrainingState(model, optimizer, epoch=0)   # or {"model": model, "optim": optimizer}
+    start = load_latest(state)                         # resume (or warm start); None: fresh
+    for step in range(0 if start is None else start + 1, steps):
+        ...
+        save(state, step)                              # every rank calls it
+
+The layout under the directory, one DCP checkpoint per step::
+
+    <dir>/step-000000002/.metadata         DCP's metadata, written by rank 0 last
+    <dir>/step-000000002/__0_0.distcp      rank 0's data: its shards and its share of the
+                                           replicated values, one file per rank
+    <dir>/step-000000002/__1_0.distcp
+    <dir>/step-000000002/COMMITTED         {"step": 2, "world_size": 2, "time": ..., "torch": ...}
+
+Guarantees:
+
+* **A step directory counts only with its ``COMMITTED`` marker**, which rank 0 writes after
+  every rank's data and DCP's metadata were written (DCP's save ends with a collective that
+  waits for all ranks). A run killed in the middle of a save leaves a step directory without
+  the marker: :func:`load_latest` and :func:`latest_step` skip it, and it is deleted by the
+  next save of the same step or by pruning once a newer checkpoint is committed.
+* :func:`save` returns on every rank only after the marker was written and old checkpoints
+  pruned (the newest ``keep`` committed ones stay; other files under the directory are never
+  touched). A step is written once: saving a committed step again raises
+  :class:`~sparktorch_ops.errors.ConfigError`.
+* Checkpoints reshard: each rank writes only its own shards (FSDP2 ``DTensor``\\ s) and the
+  metadata records global shapes, so a checkpoint written by N ranks loads on M ranks, or in
+  one plain process.
+* Decisions (which step to resume, whether a step is already committed) are taken by rank 0
+  and broadcast, so every rank does the same thing even on an eventually consistent store.
+
+State: a :class:`TrainingState` or a dict. In a dict, ``torch.nn.Module`` values are saved
+through ``get_model_state_dict`` (no DDP ``module.`` prefix, sharded FSDP2 state) and
+``torch.optim.Optimizer`` values through ``get_optimizer_state_dict``, paired with the module
+of the dict whose parameters they hold; tensors are loaded in place, and other values (ints,
+floats, strings, nested dicts of those) are replaced in the dict by their saved values.
+Modules and optimizers must be top-level values. Every rank must pass the same keys, and
+values other than sharded ones are taken to be the same on every rank (DCP writes one copy of
+each, spread over the ranks): a value that differs by rank comes back as one rank's value.
+Random number generator states are saved only when put in the state.
+
+Without a process group (one plain process) save and load run in that process alone; with
+``WORLD_SIZE`` > 1 they need ``torch.distributed.init_process_group`` first.
+
+Only the standard library is imported here at import time; torch and fsspec when used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from sparktorch_ops.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from fsspec import AbstractFileSystem
+    from torch.distributed.checkpoint import StorageReader, StorageWriter
+
+__all__ = [
+    "CHECKPOINT_DIR_ENV",
+    "COMMIT_MARKER",
+    "WARM_START_ENV",
+    "TrainingState",
+    "checkpoint_dir",
+    "latest_step",
+    "load_latest",
+    "save",
+    "step_dir_name",
+    "warm_start",
+]
+
+CHECKPOINT_DIR_ENV = "SPARKTORCH_CHECKPOINT_DIR"
+"""The run's checkpoint directory (a path or an fsspec URL), set on every rank."""
+WARM_START_ENV = "SPARKTORCH_WARM_START_FROM"
+"""Weights to start from when there is no checkpoint to resume: a checkpoint directory (a
+``checkpoint_dir`` root or one step directory) or a ``torch.save(state_dict)`` file."""
+COMMIT_MARKER = "COMMITTED"
+"""The file that makes a step directory a checkpoint; written last, by rank 0."""
+
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_DCP_METADATA = ".metadata"
+_MODEL_KEY = "model"
+_OPTIM_KEY = "optim"
+_T = TypeVar("_T")
+
+
+def step_dir_name(step: int) -> str:
+    """The name of ``step``'s directory: ``step-`` and the step, zero-padded to 9 digits."""
+    return f"step-{step:09d}"
+
+
+def checkpoint_dir() -> str | None:
+    """The run's checkpoint directory: ``SPARKTORCH_CHECKPOINT_DIR``, None when unset or empty."""
+    value = os.environ.get(CHECKPOINT_DIR_ENV, "").strip()
+    return value or None
+
+
+# -- where checkpoints live: a local directory or an fsspec URL --------------------------------
+class _Location:
+    """A directory given as a local path or an fsspec URL, with the few operations we need."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.is_url = "://" in root
+        self._fs: AbstractFileSystem | None = None
+        self._fs_root = root
+        if self.is_url:
+            from fsspec.core import url_to_fs
+
+            self._fs, self._fs_root = url_to_fs(root)
+
+    @property
+    def fs(self) -> AbstractFileSystem:
+        assert self._fs is not None
+        return self._fs
+
+    def url(self, *names: str) -> str:
+        """The user-facing path (or URL) of a name under the root."""
+        if not names:
+            return self.root
+        if self.is_url:
+            return "/".join([self.root.rstrip("/"), *names])
+        return os.path.join(self.root, *names)
+
+    def _path(self, *names: str) -> str:
+        if self.is_url:
+            return "/".join([self._fs_root.rstrip("/"), *names]) if names else self._fs_root
+        return os.path.join(self.root, *names)
+
+    def is_file(self, *names: str) -> bool:
+        if self.is_url:
+            return bool(self.fs.isfile(self._path(*names)))
+        return os.path.isfile(self._path(*names))
+
+    def is_dir(self, *names: str) -> bool:
+        if self.is_url:
+            return bool(self.fs.isdir(self._path(*names)))
+        return os.path.isdir(self._path(*names))
+
+    def exists(self, *names: str) -> bool:
+        if self.is_url:
+            return bool(self.fs.exists(self._path(*names)))
+        return os.path.exists(self._path(*names))
+
+    def names(self) -> list[str]:
+        """The entries directly under the root (none when it does not exist)."""
+        if self.is_url:
+            self.fs.invalidate_cache(self._fs_root)
+            try:
+                entries = self.fs.ls(self._fs_root, detail=False)
+            except FileNotFoundError:
+                return []
+            return [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in entries]
+        try:
+            return os.listdir(self.root)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def steps(self) -> dict[int, bool]:
+        """Every step directory under the root: step -> whether it is committed."""
+        found: dict[int, bool] = {}
+        for name in self.names():
+            match = _STEP_RE.match(name)
+            if match:
+                found[int(match.group(1))] = self.is_file(name, COMMIT_MARKER)
+        return found
+
+    def write_file(self, data: bytes, *names: str) -> None:
+        """Write a small file whole: a reader sees it complete or not at all."""
+        path = self._path(*names)
+        if self.is_url:
+            self.fs.pipe_file(path, data)
+            return
+        temporary = f"{path}.tmp-{os.getpid()}"
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+
+    def open(self, *names: str) -> Any:
+        if self.is_url:
+            return self.fs.open(self._path(*names), "rb")
+        return open(self._path(*names), "rb")
+
+    def remove_tree(self, *names: str) -> None:
+        path = self._path(*names)
+        if self.is_url:
+            self.fs.rm(path, recursive=True)
+        else:
+            shutil.rmtree(path)
+
+    def writer(self, *names: str) -> StorageWriter:
+        if self.is_url:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            return FsspecWriter(self.url(*names))
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        return FileSystemWriter(self._path(*names))
+
+    def reader(self, *names: str) -> StorageReader:
+        if self.is_url:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            return FsspecReader(self.url(*names))
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return FileSystemReader(self._path(*names))
+
+
+def _location(directory: str | None) -> _Location:
+    root = directory if directory is not None else checkpoint_dir()
+    if root is not None and not isinstance(root, str | os.PathLike):
+        raise ConfigError("directory", f"must be a path or an fsspec URL, got {root!r}")
+    root = os.fspath(root).strip() if root is not None else None
+    if not root:
+        raise ConfigError(
+            "checkpoint_dir",
+            f"no checkpoint directory: set checkpoint_dir= on TorchDistributor (every rank then "
+            f"sees {CHECKPOINT_DIR_ENV}) or pass directory=",
+        )
+    return _Location(root)
+
+
+# -- the process group -------------------------------------------------------------------------
+class _Group:
+    """This process's place in the default process group (or a group of one)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.initialized = dist.is_available() and dist.is_initialized()
+        if self.initialized:
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            return
+        try:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            world = 1
+        if world > 1:
+            raise ConfigError(
+                "init_process_group",
+                f"WORLD_SIZE={world} but torch.distributed is not initialized: call "
+                "torch.distributed.init_process_group() before saving or loading checkpoints",
+            )
+        self.rank, self.world = 0, 1
+
+    @property
+    def no_dist(self) -> bool:
+        return not self.initialized
+
+    def decide(self, decision: Callable[[], _T]) -> _T:
+        """Run ``decision`` on rank 0 and return its value (or raise its error) on every rank."""
+        outcome: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                outcome = [(True, decision())]
+            except Exception as exc:
+                outcome = [(False, exc)]
+        if self.initialized and self.world > 1:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(outcome, src=0)
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """DCP warns on every call without a process group, even with ``no_dist=True``."""
+        with warnings.catch_warnings():
+            if self.no_dist:
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+
+    def barrier(self) -> None:
+        if self.initialized and self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+def _announce(text: str, log: logging.Logger | None) -> None:
+    # The rank's stderr reaches the driver's log (at WARNING); a given logger gets it at INFO.
+    if log is not None:
+        log.info(text)
+    else:
+        sys.stderr.write(f"sparktorch_ops.checkpoint: {text}\n")
+        sys.stderr.flush()
+
+
+# -- state: modules and optimizers as DCP Stateful objects --------------------------------------
+class _ModuleState:
+    """A module as DCP ``Stateful``: its ``get_model_state_dict`` (no DDP prefix, sharded)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.module)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.module, state_dict)
+
+
+class _OptimizerState:
+    """An optimizer as DCP ``Stateful``, its state keyed by its module's parameter names."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module = module
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.module, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.module, self.optimizer, state_dict)
+
+
+class TrainingState:
+    """A model, its optimizer and extra values, saved and loaded together.
+
+    Equivalent to the dict ``{"model": model, "optim": optimizer, **extra}`` (without
+    ``"optim"`` when there is no optimizer): checkpoints written from one load into the other.
+    It also implements DCP's ``Stateful`` protocol, so it can be given to
+    ``torch.distributed.checkpoint.save``/``load`` directly.
+
+    Args:
+        model: the model, plain, DDP-wrapped or sharded with FSDP2's ``fully_shard``.
+        optimizer: its optimizer, or None.
+        **extra: other values to checkpoint: tensors (loaded in place), ints, floats,
+            strings, nested dicts of those, more modules or optimizers. After a load,
+            ``extra`` holds the saved values.
+
+    Attributes:
+        model: the model.
+        optimizer: the optimizer or None.
+        extra: the extra values.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **extra: Any
+    ) -> None:
+        import torch
+
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError("model", f"must be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                "optimizer", f"must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        for key in (_MODEL_KEY, _OPTIM_KEY):
+            if key in extra:
+                raise ConfigError(key, "is reserved for the model and its optimizer")
+        self.model = model
+        self.optimizer = optimizer
+        self.extra: dict[str, Any] = dict(extra)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The equivalent plain dict (``model``, ``optim`` when set, then the extra values)."""
+        entries: dict[str, Any] = {_MODEL_KEY: self.model}
+        if self.optimizer is not None:
+            entries[_OPTIM_KEY] = self.optimizer
+        entries.update(self.extra)
+        return entries
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state as DCP saves it: model and optimizer state dicts, then the extra values."""
+        converted = _to_dcp(self)
+        return {
+            key: value.state_dict() if isinstance(value, _ModuleState | _OptimizerState) else value
+            for key, value in converted.items()
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` (from DCP) into the model, the optimizer and ``extra``."""
+        converted = _to_dcp(self)
+        for key in sorted(converted):
+            value = converted[key]
+            if isinstance(value, _ModuleState | _OptimizerState):
+                value.load_state_dict(state_dict[key])
+            elif key in state_dict:
+                self.extra[key] = state_dict[key]
+
+
+def _check_nested(value: Any, where: str) -> None:
+    import torch
+
+    if isinstance(value, torch.nn.Module | torch.optim.Optimizer):
+        raise ConfigError(
+            "state",
+            f"{where} is a {type(value).__name__}: modules and optimizers must be "
+            "top-level values of the state",
+        )
+    if isinstance(value, Mapping):
+        for key, inner in value.items():
+            _check_nested(inner, f"{where}.{key}")
+    elif isinstance(value, list | tuple):
+        for index, inner in enumerate(value):
+            _check_nested(inner, f"{where}[{index}]")
+
+
+def _to_dcp(state: TrainingState | Mapping[str, Any]) -> dict[str, Any]:
+    """The dict DCP saves and loads: modules and optimizers wrapped as ``Stateful``."""
+    import torch
+
+    entries = state.as_dict() if isinstance(state, TrainingState) else state
+    if not isinstance(entries, Mapping) or not entries:
+        raise ConfigError(
+            "state", f"must be a TrainingState or a non-empty dict, got {type(state).__name__}"
+        )
+    modules = {k: v for k, v in entries.items() if isinstance(v, torch.nn.Module)}
+    converted: dict[str, Any] = {}
+    for key, value in entries.items():
+        if not isinstance(key, str) or not key or "." in key:
+            raise ConfigError("state", f"keys must be non-empty str without '.', got {key!r}")
+        if isinstance(value, torch.nn.Module):
+            converted[key] = _ModuleState(value)
+        elif isinstance(value, torch.optim.Optimizer):
+            converted[key] = _OptimizerState(_owner(key, value, modules), value)
+        else:
+            _check_nested(value, key)
+            converted[key] = value
+    return converted
+
+
+def _owner(
+    key: str, optimizer: torch.optim.Optimizer, modules: Mapping[str, torch.nn.Module]
+) -> torch.nn.Module:
+    """The module of the state whose parameters ``optimizer`` holds."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    owners = [m for m in modules.values() if held & {id(p) for p in m.parameters()}]
+    if len(owners) == 1:
+        return owners[0]
+    problem = "no module" if not owners else "more than one module"
+    raise ConfigError(
+        "state",
+        f"the optimizer under {key!r} holds parameters of {problem} of the state; "
+        "put its model next to it (TrainingState(model, optimizer) or {'model': m, 'optim': o})",
+    )
+
+
+def _copy_back(state: TrainingState | Mapping[str, Any], converted: Mapping[str, Any]) -> None:
+    """Put loaded plain values (DCP replaces them in ``converted``) back into ``state``."""
+    for key, value in converted.items():
+        if isinstance(value, _ModuleState | _OptimizerState):
+            continue
+        if isinstance(state, TrainingState):
+            state.extra[key] = value
+        elif isinstance(state, MutableMapping):
+            state[key] = value
+
+
+def _state_modules(converted: Mapping[str, Any]) -> dict[str, torch.nn.Module]:
+    return {k: v.module for k, v in converted.items() if isinstance(v, _ModuleState)}
+
+
+# -- public API ------------------------------------------------------------------------------
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a non-negative int" if minimum == 0 else f"an int >= {minimum}"
+        raise ConfigError(name, f"must be {kind}, got {value!r}")
+    return value
+
+
+def latest_step(*, directory: str | None = None) -> int | None:
+    """The newest committed step under the checkpoint directory, None when there is none.
+
+    Reads the directory only (no collective): callable from any rank or from the driver.
+
+    Args:
+        directory: the checkpoint directory (default: :func:`checkpoint_dir`).
+
+    Raises:
+        ConfigError: no directory given and ``SPARKTORCH_CHECKPOINT_DIR`` is unset.
+    """
+    steps = _location(directory).steps()
+    committed = [step for step, done in steps.items() if done]
+    return max(committed) if committed else None
+
+
+def save(
+    state: TrainingState | Mapping[str, Any],
+    step: int,
+    *,
+    keep: int = 3,
+    directory: str | None = None,
+) -> str:
+    """Save ``state`` as the checkpoint of ``step``; every rank must call it.
+
+    Each rank writes its own shards into ``<dir>/step-<step:09d>/`` with DCP; rank 0 then
+    writes the ``COMMITTED`` marker, deletes committed checkpoints beyond the newest ``keep``
+    and uncommitted step directories older than the newest committed one. Returns on every rank
+    once all of that is done. A leftover uncommitted directory of the same step (a crash in an
+    earlier save) is deleted first.
+
+    Args:
+        state: a :class:`TrainingState` or a dict (see the module docstring).
+        step: the step (or epoch) this checkpoint ends; :func:`load_latest` returns it.
+        keep: how many committed checkpoints to keep, at least 1.
+        directory: the checkpoint directory (default: :func:`checkpoint_dir`).
+
+    Returns:
+        The step directory (a path, or a URL for an fsspec URL directory).
+
+    Raises:
+        ConfigError: no directory is set, ``step`` or ``keep`` is invalid, ``step`` is already
+            committed, the state is not a TrainingState or dict, or ``WORLD_SIZE`` > 1 without
+            an initialized process group.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    _check_int("step", step, 0)
+    _check_int("keep", keep, 1)
+    location = _location(directory)
+    converted = _to_dcp(state)
+    group = _Group()
+    name = step_dir_name(step)
+
+    def prepare() -> bool:
+        if location.is_file(name, COMMIT_MARKER):
+            return False
+        if location.exists(name):
+            location.remove_tree(name)  # a save of this step that never committed
+        return True
+
+    if not group.decide(prepare):
+        raise ConfigError(
+            "step",
+            f"step {step} is already checkpointed at {location.url(name)}; save each step once "
+            "(resume from load_latest()'s step + 1)",
+        )
+    with group.quiet():
+        dcp.save(converted, storage_writer=location.writer(name), no_dist=group.no_dist)
+    if group.rank == 0:
+        marker = {
+            "step": step,
+            "world_size": group.world,
+            "time": datetime.datetime.now(datetime.UTC).isoformat(),
+            "torch": _torch_version(),
+        }
+        location.write_file(json.dumps(marker).encode(), name, COMMIT_MARKER)
+        _prune(location, keep)
+    group.barrier()
+    return location.url(name)
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def _prune(location: _Location, keep: int) -> None:
+    """Delete committed checkpoints beyond the newest ``keep`` and older uncommitted ones."""
+    steps = location.steps()
+    committed = sorted((s for s, done in steps.items() if done), reverse=True)
+    if not committed:
+        return
+    doomed = committed[keep:] + [s for s, done in steps.items() if not done and s < committed[0]]
+    for step in sorted(doomed):
+        try:
+            location.remove_tree(step_dir_name(step))
+        except Exception as exc:  # best effort (any store's error): a later save tries again
+            _announce(f"could not delete {location.url(step_dir_name(step))}: {exc}", None)
+
+
+def load_latest(
+    state: TrainingState | Mapping[str, Any],
+    *,
+    directory: str | None = None,
+    log: logging.Logger | None = None,
+) -> int | None:
+    """Load the newest committed checkpoint into ``state`` in place; every rank must call it.
+
+    When there is none and ``SPARKTORCH_WARM_START_FROM`` is set, warm-starts the state's
+    modules from it (see :func:`warm_start`). Resuming wins over warm starting. Rank 0 says
+    what it did in one line: ``resumed from step N at <path>``, ``warm-started from <path>``
+    or ``no checkpoint under <dir>: starting fresh``.
+
+    The checkpoint may have been written by another number of ranks (DCP reshards).
+
+    Args:
+        state: a :class:`TrainingState` or a dict (see the module docstring).
+        directory: the checkpoint directory (default: :func:`checkpoint_dir`).
+        log: where rank 0's line goes (INFO); default: the rank's stderr.
+
+    Returns:
+        The step loaded, None when nothing was resumed (a warm start included).
+
+    Raises:
+        ConfigError: no directory is set, the state is invalid, ``WORLD_SIZE`` > 1 without an
+            initialized process group, or the warm start source is unusable.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    location = _location(directory)
+    converted = _to_dcp(state)
+    group = _Group()
+    step = group.decide(lambda: latest_step(directory=location.root))
+    if step is not None:
+        name = step_dir_name(step)
+        with group.quiet():
+            dcp.load(converted, storage_reader=location.reader(name), no_dist=group.no_dist)
+        _copy_back(state, converted)
+        if group.rank == 0:
+            _announce(f"resumed from step {step} at {location.url(name)}", log)
+        return step
+    source = os.environ.get(WARM_START_ENV, "").strip()
+    if source:
+        warm_start(state, source, log=log)
+        return None
+    if group.rank == 0:
+        _announce(f"no checkpoint under {location.root}: starting fresh", log)
+    return None
+
+
+def warm_start(
+    state: TrainingState | Mapping[str, Any], source: str, *, log: logging.Logger | None = None
+) -> str:
+    """Load model weights from ``source`` into the modules of ``state``; every rank calls it.
+
+    Only weights are loaded (not optimizers nor extra values), and only those present in
+    both the source and the model with the same shape, so a model with a new head starts from
+    the rest. :func:`load_latest` calls it when there is nothing to resume.
+
+    Args:
+        state: a :class:`TrainingState` or a dict (see the module docstring).
+        source: a path or fsspec URL: a checkpoint directory (a root of ``step-*``
+            checkpoints: its newest committed one; or one step directory, or any DCP
+            checkpoint), or a file written by ``torch.save(model.state_dict())`` (with one
+            module in the state; with several, a dict of their state dicts by state key).
+        log: where rank 0's line goes (INFO); default: the rank's stderr.
+
+    Returns:
+        What was loaded: the step directory or the file.
+
+    Raises:
+        ConfigError: the source does not exist, holds no checkpoint, or no weight matches.
+    """
+    converted = _to_dcp(state)
+    modules = _state_modules(converted)
+    if not modules:
+        raise ConfigError("state", "has no torch.nn.Module to warm-start")
+    group = _Group()
+    location = _Location(source)
+
+    def resolve() -> tuple[str, str]:
+        if location.is_file():
+            return "file", ""
+        if location.is_file(_DCP_METADATA):
+            return "dcp", ""
+        if location.is_dir():
+            steps = location.steps()
+            committed = [s for s, done in steps.items() if done]
+            if committed:
+                return "dcp", step_dir_name(max(committed))
+            raise ConfigError(WARM_START_ENV, f"{source} holds no committed checkpoint")
+        raise ConfigError(WARM_START_ENV, f"{source} does not exist")
+
+    kind, name = group.decide(resolve)
+    names = (name,) if name else ()
+    if kind == "file":
+        loaded, total = _warm_from_file(location, modules)
+    else:
+        loaded, total = _warm_from_dcp(location, names, modules, group)
+    where = location.url(*names)
+    if loaded == 0:
+        raise ConfigError(
+            WARM_START_ENV, f"no weight of {where} matches the model (same name and shape)"
+        )
+    if group.rank == 0:
+        _announce(f"warm-started from {where} ({loaded} of {total} tensors)", log)
+    return where
+
+
+def _warm_from_dcp(
+    location: _Location,
+    names: tuple[str, ...],
+    modules: Mapping[str, torch.nn.Module],
+    group: _Group,
+) -> tuple[int, int]:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    saved = location.reader(*names).read_metadata().state_dict_metadata
+    wanted: dict[str, dict[str, Any]] = {}
+    loaded = total = 0
+    for key, module in modules.items():
+        current = get_model_state_dict(module)
+        total += len(current)
+        wanted[key] = {}
+        for fqn, value in current.items():
+            meta = saved.get(f"{key}.{fqn}")
+            if (
+                isinstance(value, torch.Tensor)
+                and isinstance(meta, TensorStorageMetadata)
+                and tuple(meta.size) == tuple(value.shape)
+            ):
+                wanted[key][fqn] = value
+        loaded += len(wanted[key])
+    wanted = {key: weights for key, weights in wanted.items() if weights}
+    if wanted:
+        with group.quiet():
+            dcp.load(wanted, storage_reader=location.reader(*names), no_dist=group.no_dist)
+        for key, weights in wanted.items():
+            set_model_state_dict(modules[key], weights, options=StateDictOptions(strict=False))
+    return loaded, total
+
+
+def _warm_from_file(location: _Location, modules: Mapping[str, torch.nn.Module]) -> tuple[int, int]:
+    import torch
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+    from torch.distributed.tensor import DTensor
+
+    with location.open() as handle:
+        saved = torch.load(handle, map_location="cpu", weights_only=True)
+    if not isinstance(saved, Mapping):
+        raise ConfigError(WARM_START_ENV, f"{location.root} does not hold a state dict")
+    per_module: dict[str, Mapping[str, Any]] = {}
+    for key in modules:
+        nested = saved.get(key)
+        if isinstance(nested, Mapping) and any(
+            isinstance(v, torch.Tensor) for v in nested.values()
+        ):
+            per_module[key] = nested
+    if not per_module:
+        if len(modules) > 1:
+            raise ConfigError(
+                WARM_START_ENV,
+                f"{location.root} holds one state dict but the state has {len(modules)} modules;"
+                " save a dict of state dicts by state key",
+            )
+        per_module[next(iter(modules))] = saved
+    loaded = total = 0
+    for key, module in modules.items():
+        current: dict[str, Any] = dict(get_model_state_dict(module))
+        total += len(current)
+        weights = _strip_prefix(per_module.get(key, {}), current)
+        matching: dict[str, Any] = {
+            fqn: value
+            for fqn, value in weights.items()
+            if isinstance(value, torch.Tensor)
+            and fqn in current
+            and tuple(value.shape) == tuple(current[fqn].shape)
+        }
+        if not matching:
+            continue
+        sharded = any(isinstance(v, DTensor) for v in current.values())
+        options = StateDictOptions(full_state_dict=sharded, strict=False)
+        set_model_state_dict(module, matching, options=options)
+        loaded += len(matching)
+    return loaded, total
+
+
+def _strip_prefix(weights: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop a ``module.`` (DDP) or ``_orig_mod.`` (torch.compile) prefix the model lacks."""
+    result = dict(weights)
+    for prefix in ("module.", "_orig_mod."):
+        if (
+            result
+            and all(k.startswith(prefix) for k in result)
+            and not any(k.startswith(prefix) for k in current)
+        ):
+            result = {k[len(prefix) :]: v for k, v in result.items()}
+    return result
