@@ -171,7 +171,9 @@ def one_process(
     first = {}
     for name, once in VARIANTS.items():
         first[name] = once(warm_model, os.path.join(root, "warm", name[:5]), checksums(warm_model))
-        log(f"first call, 1 MiB, {name}: save {first[name]['save_s']:.3f} s, load {first[name]['load_s']:.3f} s")
+        log(
+            f"first call, 1 MiB, {name}: save {first[name]['save_s']:.3f} s, load {first[name]['load_s']:.3f} s"
+        )
     results: dict[str, Any] = {}
     for mib in sizes:
         log(f"one process: building a {mib} MiB state")
@@ -260,7 +262,13 @@ def rank_sizes(sizes: list[int], repeats: int, chunk_mib: int) -> Any:
                 if rank == 0:
                     shutil.rmtree(directory, ignore_errors=True)
                 samples.append(
-                    {"save_s": save_s, "load_s": load_s, "disk_bytes": disk, "files": files, "ok": ok}
+                    {
+                        "save_s": save_s,
+                        "load_s": load_s,
+                        "disk_bytes": disk,
+                        "files": files,
+                        "ok": ok,
+                    }
                 )
             mine["sizes"][label] = samples
             del ddp, state, model
@@ -319,11 +327,9 @@ def two_ranks(
 
 
 # -- save vs training step -----------------------------------------------------------------
-def cnn_figures(
-    example: str, steps: int, warmup: int, saves: int, directory: str | None
-) -> dict[str, Any]:
-    """Step and save times of the example's DigitsCNN, here or on every rank (DDP when a
-    process group can be formed); one process's figures."""
+def cnn_figures(example: str, steps: int, warmup: int, saves: int, directory: str | None) -> Any:
+    """Step and save times of the example's DigitsCNN, here or on every rank (DDP when
+    ``WORLD_SIZE`` > 1): this process's figures, or on ranks every rank's (gathered)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -362,10 +368,12 @@ def cnn_figures(
             if distributed:
                 dist.barrier()
             started = time.perf_counter()
-            step_dir = save(TrainingState(model, optimizer, losses=losses[: index + 1]), index, directory=root)
+            step_dir = save(
+                TrainingState(model, optimizer, losses=losses[: index + 1]), index, directory=root
+            )
             save_s.append(time.perf_counter() - started)
         disk, files = tree_bytes(step_dir)
-        return {
+        figures = {
             "rank": dist.get_rank() if distributed else 0,
             "torch_threads": torch.get_num_threads(),
             "params": sum(p.numel() for p in model.parameters()),
@@ -375,23 +383,14 @@ def cnn_figures(
             "disk_bytes": disk,
             "files": files,
         }
+        if not distributed:
+            return figures
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, figures)
+        return gathered
     finally:
         if distributed:
             dist.destroy_process_group()
-
-
-def rank_cnn(example: str, steps: int, warmup: int, saves: int) -> Any:
-    """On every rank: :func:`cnn_figures` with DDP; all ranks' figures (on rank 0)."""
-    import torch.distributed as dist
-
-    figures = cnn_figures(example, steps, warmup, saves, None)
-    dist.init_process_group("gloo")
-    try:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, figures)
-    finally:
-        dist.destroy_process_group()
-    return gathered
 
 
 def overhead(step_s: float | None, save_s: float | None, epoch_steps: list[int]) -> dict[str, Any]:
@@ -410,9 +409,7 @@ def overhead(step_s: float | None, save_s: float | None, epoch_steps: list[int])
     }
 
 
-def save_vs_step(
-    args: argparse.Namespace, root: str
-) -> dict[str, Any]:
+def save_vs_step(args: argparse.Namespace, root: str) -> dict[str, Any]:
     """The CNN part, one process then 2 DDP ranks."""
     import torch
 
@@ -442,7 +439,7 @@ def save_vs_step(
             checkpoint_dir=directory,
             logger=common.quiet_logger(),
             timeout=args.timeout,
-        ).run(rank_cnn, str(EXAMPLE), args.steps, args.warmup_steps, args.saves)
+        ).run(cnn_figures, str(EXAMPLE), args.steps, args.warmup_steps, args.saves, None)
         ranks.sort(key=lambda r: r["rank"])
         # A DDP step and a collective save end together on both ranks: take the slower rank.
         step_max = [max(s) for s in zip(*(r["step_s"] for r in ranks), strict=True)]
@@ -482,7 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="100,1000", help="comma-separated state sizes, MiB")
     parser.add_argument("--repeats", type=int, default=3, help="save+load runs per size")
     parser.add_argument(
-        "--quick", action="store_true", help=f"smoke run: sizes {QUICK_SIZES}, 2 repeats, fewer steps"
+        "--quick",
+        action="store_true",
+        help=f"smoke run: sizes {QUICK_SIZES}, 2 repeats, fewer steps",
     )
     parser.add_argument("--chunk-mib", type=int, default=32, help="MiB per tensor of the state")
     parser.add_argument("--steps", type=int, default=200, help="timed CNN training steps")
@@ -500,7 +499,9 @@ def main(argv: list[str] | None = None) -> int:
         default=max(1, (os.cpu_count() or 2) // 2),
         help="torch threads of the one-process CNN part (default: what a rank of 2 gets)",
     )
-    parser.add_argument("--no-ranks", dest="ranks", action="store_false", help="skip the 2-rank runs")
+    parser.add_argument(
+        "--no-ranks", dest="ranks", action="store_false", help="skip the 2-rank runs"
+    )
     parser.add_argument("--tmpdir", default=None, help="where the temporary directory goes")
     parser.add_argument("--timeout", type=float, default=1800, help="per 2-rank run, seconds")
     parser.add_argument("--name", default=NAME, help="results file name")

@@ -29,7 +29,7 @@ RESULTS_DIR = BENCH_DIR / "results"
 PAGE = BENCH_DIR / "README.md"
 TOP_README = BENCH_DIR.parent / "README.md"
 GPU_RESULT = Path("gpu") / "gpu_bench.json"  # under RESULTS_DIR; written by gpu_check.sh
-ORDER = ("launch", "logs", "result", "memory", "throughput", "dataframe_input")
+ORDER = ("launch", "logs", "result", "memory", "throughput", "dataframe_input", "checkpoint")
 SUMMARY_START = "<!-- bench-summary:start -->"
 SUMMARY_END = "<!-- bench-summary:end -->"
 GENERATED = (
@@ -48,6 +48,7 @@ def commands(repeats: int, memory_runs: int) -> dict[str, list[str]]:
         "memory": [py, str(BENCH_DIR / "memory.py"), f"--runs={memory_runs}"],
         "throughput": [py, str(BENCH_DIR / "throughput.py"), f"--repeats={repeats}"],
         "dataframe_input": [py, str(BENCH_DIR / "dataframe_input.py"), "--repeats=1"],
+        "checkpoint": [py, str(BENCH_DIR / "checkpoint.py"), f"--repeats={repeats}"],
     }
 
 
@@ -385,6 +386,192 @@ def render_dataframe_input(doc: dict[str, Any]) -> str:
     )
 
 
+def _ms(seconds: Any) -> str:
+    return _num(seconds * 1000, 1) if isinstance(seconds, (int, float)) else "-"
+
+
+def _ratio(value: Any, reference: Any) -> float | None:
+    return value / reference if value and reference else None
+
+
+def _min_max(s: dict[str, Any], what: str) -> str:
+    low, high = s.get(f"{what}_min_s"), s.get(f"{what}_max_s")
+    return "-" if low is None or high is None else f"{low:.2f}-{high:.2f}"
+
+
+def render_checkpoint(doc: dict[str, Any]) -> str:
+    reference = "torch.save (reference)"
+    one_rows = []
+    for size, variants in doc.get("one_process", {}).items():
+        ref = variants.get(reference, {})
+        for name, s in variants.items():
+            vs_ref = (
+                f"{_num(_ratio(s.get('save_median_s'), ref.get('save_median_s')), suffix='x')} / "
+                f"{_num(_ratio(s.get('load_median_s'), ref.get('load_median_s')), suffix='x')}"
+                if name != reference and ref
+                else "-"
+            )
+            one_rows.append(
+                [
+                    f"{int(size):,}",
+                    f"`{name}`",
+                    str(s.get("tensors", "-")),
+                    _num(s.get("disk_mib"), 1),
+                    _num(s.get("save_median_s")),
+                    _min_max(s, "save"),
+                    _num(s.get("save_mib_per_s"), 0),
+                    _num(s.get("load_median_s")),
+                    _min_max(s, "load"),
+                    _num(s.get("load_mib_per_s"), 0),
+                    vs_ref,
+                    str(s.get("runs")),
+                ]
+            )
+    first = doc.get("one_process_first_call") or {}
+    first_line = (
+        "\n\nFirst call (1 MiB, discarded, not in the table): "
+        + "; ".join(
+            f"`{name}` save {_num(f.get('save_s'))} s / load {_num(f.get('load_s'))} s"
+            for name, f in first.items()
+        )
+        + "."
+        if first
+        else ""
+    )
+    out = [
+        "`sparktorch_ops.checkpoint`: `save(TrainingState(model), 0)` into a fresh directory, "
+        "then `load_latest` into the zeroed model (checked against checksums), of a float32 "
+        f"state in {doc.get('chunk_mib')} MiB tensors, median of {doc.get('repeats')}; "
+        "`torch.save` (then `fsync`) / `torch.load` + `load_state_dict` of the same state "
+        "alternate with it as the reference. *vs torch.save*: our time / its time "
+        "(save / load).\n\n"
+        "**One process** (no process group):\n\n"
+        + _table(
+            [
+                "MiB",
+                "variant",
+                "tensors",
+                "on disk MiB",
+                "save s",
+                "min-max s",
+                "save MiB/s",
+                "load s",
+                "min-max s",
+                "load MiB/s",
+                "vs torch.save",
+                "runs",
+            ],
+            one_rows,
+        )
+        + first_line
+    ]
+    ranks = doc.get("two_ranks") or {}
+    if ranks:
+        rank_rows = []
+        for size, s in ranks.items():
+            samples = [x for rank in s.get("per_rank", []) for x in rank]
+            ok = sum(1 for x in samples if x.get("ok"))
+            rank_rows.append(
+                [
+                    f"{int(size):,}",
+                    _num(s.get("disk_mib"), 1),
+                    str(s.get("files", "-")),
+                    _num(s.get("save_rank0_median_s")),
+                    _num(s.get("save_max_median_s")),
+                    _num(s.get("save_mib_per_s"), 0),
+                    _num(s.get("load_rank0_median_s")),
+                    _num(s.get("load_max_median_s")),
+                    _num(s.get("load_mib_per_s"), 0),
+                    f"{ok}/{len(samples)}",
+                    str(s.get("runs")),
+                ]
+            )
+        first_ranks = doc.get("two_ranks_first_call") or {}
+        out.append(
+            "**2 ranks**: `TorchDistributor(num_processes=2, local_mode=True, use_gpu=False, "
+            "checkpoint_dir=...)`, the same state in DDP on every rank (replicated: DCP writes one "
+            "copy, spread over the ranks); every rank times its own call between barriers. "
+            "*slowest*: the slower rank per run, then the median; MiB/s from that time.\n\n"
+            + _table(
+                [
+                    "MiB",
+                    "on disk MiB",
+                    "files",
+                    "save s, rank 0",
+                    "save s, slowest",
+                    "save MiB/s",
+                    "load s, rank 0",
+                    "load s, slowest",
+                    "load MiB/s",
+                    "loads checked",
+                    "runs",
+                ],
+                rank_rows,
+            )
+            + (
+                f"\n\nFirst call on the ranks ({first_ranks.get('state_mib')} MiB, discarded): "
+                f"save {_num(first_ranks.get('save_max_median_s'))} s / load "
+                f"{_num(first_ranks.get('load_max_median_s'))} s (slowest rank)."
+                if first_ranks
+                else ""
+            )
+        )
+    cnn = doc.get("save_vs_step") or {}
+    assumptions = doc.get("assumptions") or {}
+    epoch_steps = assumptions.get("epoch_steps_per_rank") or []
+    settings = [("one process", cnn.get("one_process")), ("2 ranks, DDP", cnn.get("two_ranks"))]
+    cnn_rows = []
+    for label, c in settings:
+        if not c:
+            continue
+        growth = c.get("epoch_with_save_over_without") or {}
+        first_save = c.get("first_save_s", c.get("first_save_max_s"))
+        cnn_rows.append(
+            [
+                label,
+                str(c.get("torch_threads", "-")),
+                _ms(c.get("step_median_s")),
+                _ms(c.get("save_median_s")),
+                _num(c.get("save_over_step"), 1, "x"),
+                *(
+                    f"+{100 * (growth[str(n)] - 1):.0f}%" if growth.get(str(n)) is not None else "-"
+                    for n in epoch_steps
+                ),
+                _ms(first_save),
+                _num(c["disk_bytes"] / 1024, 0) if c.get("disk_bytes") else "-",
+            ]
+        )
+    if cnn_rows:
+        single = cnn.get("one_process") or {}
+        out.append(
+            "**Save vs training step**: `DigitsCNN` of `examples/ddp_train.py` "
+            f"({single.get('params', 0):,} parameters), batch 64 of random 1x8x8 inputs, SGD "
+            "with momentum; the median of "
+            f"{len(single.get('step_s', []))} steps (forward, backward, optimizer step) and of "
+            f"{len(single.get('save_s', []))} saves of `TrainingState(model, optimizer, "
+            "losses=[...])` with `keep=3` (pruning included), after a first save not counted. "
+            "On 2 ranks, the slower rank per step and per save.\n\n"
+            + _table(
+                [
+                    "setting",
+                    "torch threads",
+                    "step ms",
+                    "save ms",
+                    "save / step",
+                    *(f"epoch of {n} steps, + one save" for n in epoch_steps),
+                    "first save ms",
+                    "on disk KiB",
+                ],
+                cnn_rows,
+            )
+            + f"\n\nAssumption: {assumptions.get('epoch', '-')}; "
+            f"{assumptions.get('save_frequency', '-')}. *epoch of N steps, + one save*: what the "
+            "save adds to the time of N training steps per rank; data loading and the rest of an "
+            "epoch are not counted, so the real share is smaller."
+        )
+    return "\n\n".join(out) + _notes(doc.get("notes"))
+
+
 RENDERERS = {
     "launch": render_launch,
     "logs": render_logs,
@@ -392,6 +579,7 @@ RENDERERS = {
     "memory": render_memory,
     "throughput": render_throughput,
     "dataframe_input": render_dataframe_input,
+    "checkpoint": render_checkpoint,
 }
 TITLES = {
     "launch": "Launch",
@@ -400,6 +588,7 @@ TITLES = {
     "memory": "Memory",
     "throughput": "Throughput",
     "dataframe_input": "DataFrame input",
+    "checkpoint": "Checkpoint",
 }
 
 
@@ -521,12 +710,41 @@ def render_summary(docs: dict[str, dict[str, Any]]) -> str:
                 "-",
             ]
         )
+    checkpoint = docs.get("checkpoint")
+    if checkpoint and checkpoint.get("one_process"):
+        size, variants = max(checkpoint["one_process"].items(), key=lambda item: int(item[0]))
+        ours = variants.get("sparktorch_ops (DCP)", {})
+        ref = variants.get("torch.save (reference)", {})
+        rows.append(
+            [
+                f"checkpoint, {int(size):,} MiB state, one process "
+                f"(median of {checkpoint.get('repeats')})",
+                f"save / load MiB/s (torch.save's: {_num(ref.get('save_mib_per_s'), 0)} / "
+                f"{_num(ref.get('load_mib_per_s'), 0)})",
+                f"{_num(ours.get('save_mib_per_s'), 0)} / "
+                f"{_num(ours.get('load_mib_per_s'), 0)} MiB/s",
+                "-",
+            ]
+        )
+    cnn = (checkpoint or {}).get("save_vs_step", {}).get("two_ranks")
+    steps = (checkpoint or {}).get("assumptions", {}).get("epoch_steps_per_rank") or []
+    growth = (cnn or {}).get("epoch_with_save_over_without") or {}
+    if cnn and steps and all(growth.get(str(n)) is not None for n in steps):
+        rows.append(
+            [
+                "checkpoint every epoch, example DigitsCNN",
+                f"epoch time with the save / without ({'; '.join(map(str, steps))} steps per rank)",
+                "; ".join(_num(growth[str(n)], suffix="x") for n in steps),
+                "-",
+            ]
+        )
     machine = next(iter(docs.values()), {}).get("machine", {})
     repeats = sorted(
         {
             str(d["repeats"])
             for name, d in docs.items()
-            if "repeats" in d and name != "dataframe_input"  # not in this table
+            # dataframe_input is not in this table; checkpoint's row states its own
+            if "repeats" in d and name not in ("dataframe_input", "checkpoint")
         }
     )
     return (
@@ -556,6 +774,7 @@ tables give medians and ratios. The jobs run 2 ranks with gloo on CPU unless sta
 | memory | `memory.py` | the driver's RSS over 20 local runs in a row, in a fresh process: what a run adds, and whether it keeps growing |
 | throughput | `throughput.py` | a small CNN, DDP, fixed steps: samples/s (rank 0, steady state) of bare torchrun vs ours, with ranks forked (the default) and with `--start-method=spawn` |
 | DataFrame input | `dataframe_input.py` | rows/s each rank gets from a 2M-4M row x 32 float32 DataFrame (`train_on_dataframe`, barrier mode) and its peak RSS: our `partition_loader` and our `get_spark_partition_data_loader` vs pyspark's `_get_spark_partition_data_loader` |
+| checkpoint | `checkpoint.py` | `sparktorch_ops.checkpoint` (`save` / `load_latest` on torch.distributed.checkpoint) of 100 MiB and 1000 MiB states: in one process next to `torch.save` / `torch.load`, and on 2 DDP ranks; and a save of the example's `DigitsCNN` next to one training step, as a share of an epoch |
 | GPU | `gpu/gpu_bench.py` | local mode with `use_gpu=True` and NCCL vs bare torchrun: launch, and DDP ResNet-50 images/s (see [GPU](#gpu)) |
 
 ## Running them

@@ -1,16 +1,19 @@
-"""Nightly retraining of the digits CNN: append the day's data -> DDP training on Spark ->
-evaluate -> publish.
+"""Nightly retraining of the digits CNN: append the day's data -> DDP training on Spark, tracked
+in MLflow -> evaluate -> register the model, promoting it only if it beats the champion.
 
 ``append_data`` writes the logical date's rows into a Parquet table partitioned by ``ds``
-(``examples/pipeline.py``; a rerun of the day replaces only that day's partition). ``train`` is
-:class:`~sparktorch_ops.airflow.TorchDistributorOperator` in barrier mode on an embedded Spark
-(``local[2]``: two barrier tasks, one DDP rank each) with the templated ``input_sql`` selecting
-every day up to ``{{ ds }}``; each rank trains on its equal share through
-``sparktorch_ops.data.partition_loader`` (``examples/ddp_train.py``'s ``train_on_partition``).
-The trained ``state_dict`` is not JSON, so the operator writes it to its result location and its
-XCom holds the URI; ``evaluate`` reads it back from there and scores it on the held-out split.
-``publish`` saves a versioned model with its metrics in the registry and promotes it only if it
-beats the current one.
+(``examples/pipeline.py``; a rerun of the day replaces only that day's partition).
+``champion`` resolves MLflow's ``champion`` alias of ``digits-cnn`` to a local weights file.
+``train`` is :class:`~sparktorch_ops.airflow.TorchDistributorOperator` in barrier mode on an
+embedded Spark (``local[2]``: two barrier tasks, one DDP rank each) with the templated
+``input_sql`` selecting every day up to ``{{ ds }}``; each rank trains on its equal share through
+``sparktorch_ops.data.partition_loader`` (``examples/ddp_train.py``'s ``train_on_partition``),
+warm-starting from the champion and saving a checkpoint every epoch (a retry resumes). The
+driver logs the run to MLflow (experiment ``retrain-digits``; the XCom's ``mlflow_run_id``). The
+trained ``state_dict`` is not JSON, so the operator writes it to its result location and its
+XCom holds the URI; ``evaluate`` scores it on the held-out split, ``publish`` logs the model and
+the scores on the same MLflow run, registers a new version and moves ``champion`` to it only if
+its accuracy is higher.
 
 Run it once, end to end, without a scheduler::
 
@@ -18,8 +21,9 @@ Run it once, end to end, without a scheduler::
         AIRFLOW__CORE__LOAD_EXAMPLES=False
     airflow db migrate && airflow dags test retrain_digits
 
-The registry is ``$SPARKTORCH_REGISTRY`` (default ``<repo>/.state/registry``), or the run's
-``registry`` param (``airflow dags test retrain_digits -c '{"registry": "/tmp/reg"}'``).
+State (table, MLflow store, results) lives in ``$SPARKTORCH_STATE`` (default ``<repo>/.state``)
+or the run's ``state`` param (``airflow dags test retrain_digits -c '{"state": "/tmp/st"}'``);
+MLflow is ``MLFLOW_TRACKING_URI`` when set, else ``sqlite:///<state>/mlflow.db``.
 """
 
 from __future__ import annotations
@@ -39,10 +43,10 @@ from sparktorch_ops.airflow import TorchDistributorOperator
 # resolve(): the file may be reached through a symlink in another DAGs folder.
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = str(REPO / "examples")
-DEFAULT_REGISTRY = os.environ.get("SPARKTORCH_REGISTRY", str(REPO / ".state" / "registry"))
+DEFAULT_STATE = os.environ.get("SPARKTORCH_STATE", str(REPO / ".state"))
 log = logging.getLogger("airflow.task")
 # Where the operator writes the trained weights; load_result reads only from under it.
-RESULTS = "{{ params.registry }}/runs"
+RESULTS = "{{ params.state }}/runs"
 
 
 def _examples() -> None:
@@ -72,7 +76,7 @@ def _spark_conf() -> dict[str, str]:
 
 with DAG(
     dag_id="retrain_digits",
-    description="Retrain the digits CNN with DDP (2 processes) and promote it if it is better",
+    description="Retrain the digits CNN with DDP on Spark; promote it in MLflow if it is better",
     schedule="0 3 * * *",
     start_date=pendulum.datetime(2025, 1, 1, tz="UTC"),
     catchup=False,
@@ -84,8 +88,9 @@ with DAG(
         "retry_delay": datetime.timedelta(minutes=5),
     },
     params={
-        "registry": Param(DEFAULT_REGISTRY, type="string", description="model registry dir"),
+        "state": Param(DEFAULT_STATE, type="string", description="pipeline state directory"),
         "epochs": Param(10, type="integer", minimum=1, description="training epochs"),
+        "lr": Param(0.05, type="number", exclusiveMinimum=0, description="SGD learning rate"),
         "seed": Param(0, type="integer", description="data split and initialisation seed"),
     },
     tags=["sparktorch_ops", "ml"],
@@ -93,36 +98,53 @@ with DAG(
 ) as dag:
 
     @task
-    def append_data(registry: str, day: str, seed: int) -> dict[str, Any]:
+    def append_data(state: str, day: str, seed: int) -> dict[str, Any]:
         """Append the day's rows to the Parquet table (embedded Spark); write the held-out split."""
         _examples()
         import pipeline
 
-        written = pipeline.append_day_on_embedded_spark(registry, day, seed=int(seed))
+        written = pipeline.append_day_on_embedded_spark(state, day, seed=int(seed))
         log.info("%(day_rows)d rows for %(ds)s in %(table)s (%(days)d days)", written)
         return written
 
-    data = append_data("{{ params.registry }}", "{{ ds }}", "{{ params.seed }}")
+    data = append_data("{{ params.state }}", "{{ ds }}", "{{ params.seed }}")
 
     @task
-    def champion(registry: str) -> str | None:
-        """The promoted model's weights file: training warm-starts from it (None: scratch)."""
+    def champion(state: str) -> dict[str, Any]:
+        """MLflow's tracking URI and experiment, and the champion's weights as a local file
+        (training warm-starts from it; the ranks never call MLflow)."""
         _examples()
         import pipeline
 
-        path = pipeline.champion_file(registry)
-        if path:
-            log.info("training warm-starts from the promoted model %s", path)
+        pipeline.ensure_experiment(state)
+        current = pipeline.champion(state)
+        weights = pipeline.champion_file(state)
+        if current is not None:
+            log.info(
+                "training warm-starts from champion %s v%s (accuracy %.4f): %s",
+                pipeline.MODEL_NAME,
+                current["version"],
+                current["accuracy"],
+                weights,
+            )
         else:
-            log.info("no promoted model yet: training starts from scratch")
-        return path
+            log.info("no champion yet: training starts from scratch")
+        return {
+            "tracking_uri": pipeline.tracking_uri(state),
+            "experiment": pipeline.EXPERIMENT,
+            "weights": weights,
+        }
 
-    warm = champion("{{ params.registry }}")
+    model = champion("{{ params.state }}")
 
     train = TorchDistributorOperator(
         task_id="train",
         train=train_digits,
-        train_kwargs={"epochs": "{{ params.epochs }}", "seed": "{{ params.seed }}"},
+        train_kwargs={
+            "epochs": "{{ params.epochs }}",
+            "lr": "{{ params.lr }}",
+            "seed": "{{ params.seed }}",
+        },
         # Every day up to this run's logical date; Spark lays the rows out over the ranks.
         input_sql="SELECT pixels, label FROM parquet.`"
         "{{ ti.xcom_pull(task_ids='append_data')['table'] }}` WHERE ds <= '{{ ds }}'",
@@ -130,15 +152,17 @@ with DAG(
         local_mode=False,
         use_gpu=False,
         spark_conf=_spark_conf(),
-        # Weights of the promoted model before epoch 0; a retry of this task resumes from its
-        # own checkpoints instead (under result_location, kept across tries).
-        warm_start_from="{{ ti.xcom_pull(task_ids='champion') }}",
+        # The champion's weights before epoch 0; a retry of this task resumes from its own
+        # checkpoints instead (under result_location, kept across tries).
+        warm_start_from="{{ ti.xcom_pull(task_ids='champion')['weights'] }}",
+        mlflow_experiment="{{ ti.xcom_pull(task_ids='champion')['experiment'] }}",
+        mlflow_tracking_uri="{{ ti.xcom_pull(task_ids='champion')['tracking_uri'] }}",
         # The state_dict is not JSON: it goes here and the XCom carries its URI.
         result_location=RESULTS,
         timeout=datetime.timedelta(minutes=20),
         execution_timeout=datetime.timedelta(minutes=30),
     )
-    [data, warm] >> train
+    [data, model] >> train
 
     @task
     def evaluate(summary: dict[str, Any], data: dict[str, Any], results: str) -> dict[str, float]:
@@ -156,39 +180,32 @@ with DAG(
 
     @task
     def publish(
-        summary: dict[str, Any],
-        metrics: dict[str, float],
-        registry: str,
-        version: str,
-        results: str,
+        summary: dict[str, Any], metrics: dict[str, float], state: str, results: str
     ) -> dict[str, Any]:
-        """Save the model as a new version; promote it only if it beats the current one."""
+        """Log the model and scores on the training's MLflow run, register a new version and
+        move ``champion`` to it only if it beats the champion."""
         _examples()
         import pipeline
 
         from sparktorch_ops.airflow import load_result
 
         trained = load_result(summary, result_location=results)
-        record: dict[str, Any] = pipeline.publish(registry, trained["state_dict"], metrics, version)
-        previous = record.get("previous") or {}
-        verdict = "promoted" if record["promoted"] else "kept the current model"
-        log.info(
-            "model %s: accuracy %.4f (current: %s): %s",
-            version,
-            metrics["accuracy"],
-            previous.get("metrics", {}).get("accuracy", "none"),
-            verdict,
+        record: dict[str, Any] = pipeline.publish(
+            state, summary["mlflow_run_id"], trained["state_dict"], metrics
         )
-        return {k: v for k, v in record.items() if k != "previous"}
+        previous = record.get("previous") or {}
+        log.info(
+            "%s v%s: accuracy %.4f (champion before: %s): %s",
+            pipeline.MODEL_NAME,
+            record["version"],
+            metrics["accuracy"],
+            f"v{previous['version']} {previous['accuracy']:.4f}" if previous else "none",
+            "now champion" if record["promoted"] else "the champion stays",
+        )
+        return record
 
     metrics = evaluate(train.output, data, RESULTS)
-    publish(
-        train.output,
-        metrics,
-        "{{ params.registry }}",
-        "{{ dag_run.run_after.strftime('%Y%m%dT%H%M%S') }}",
-        RESULTS,
-    )
+    publish(train.output, metrics, "{{ params.state }}", RESULTS)
 
 
 if __name__ == "__main__":

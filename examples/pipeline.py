@@ -1,13 +1,13 @@
 """The steps around training that the example pipelines (dags/, flows/) share.
 
-append the day's rows -> (train with sparktorch_ops on the rows up to that day) -> evaluate ->
-publish a versioned model, promoted only when it beats the current one. Everything lives under
-a registry directory:
+append the day's rows -> (train with sparktorch_ops on the rows up to that day, tracked in
+MLflow) -> evaluate -> register a new version of the model in MLflow's registry, moving its
+``champion`` alias only when it beats the champion. Everything lives under a state directory:
 
-    <registry>/warehouse/digits/ds=YYYY-MM-DD/*.parquet   the training rows, one partition a day
-    <registry>/data/holdout-<seed>.npz                     the held-out test split (fixed)
-    <registry>/models/<version>/model.pt, metrics.json
-    <registry>/current.json            the promoted version and its metrics
+    <state>/warehouse/digits/ds=YYYY-MM-DD/*.parquet   the training rows, one partition a day
+    <state>/data/digits-<seed>.npz                     the held-out test split (fixed)
+    <state>/mlflow.db, <state>/mlartifacts/            MLflow (unless MLFLOW_TRACKING_URI is set)
+    <state>/champion/digits-cnn-v<N>.pt                the champion's weights, for warm starts
 
 The "arriving data" is simulated from scikit-learn's digits: each day brings a sample of the
 training split (chosen by the date, so a rerun of a day writes the same rows) with a little
@@ -16,7 +16,6 @@ noise; the test split never enters the table.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -29,13 +28,17 @@ from ddp_train import DigitsCNN, load_digits
 # Embedded Spark for the pipelines: 2 task slots on this machine, so 2 barrier ranks.
 SPARK_CONF = {"spark.master": "local[2]"}
 ROWS_PER_DAY = 600
+# MLflow: the experiment of the training runs, the registered model and its serving alias.
+EXPERIMENT = "retrain-digits"
+MODEL_NAME = "digits-cnn"
+CHAMPION = "champion"
 
 
-def prepare_data(registry: str, seed: int = 0) -> str:
+def prepare_data(state: str, seed: int = 0) -> str:
     """Write the train/test split of scikit-learn's digits (fixed seed); return its path."""
     import numpy as np
 
-    path = Path(registry) / "data" / f"digits-{seed}.npz"
+    path = Path(state) / "data" / f"digits-{seed}.npz"
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays = {key: value.numpy() for key, value in load_digits(seed).items()}
     tmp = path.with_suffix(".tmp.npz")
@@ -44,17 +47,17 @@ def prepare_data(registry: str, seed: int = 0) -> str:
     return str(path)
 
 
-def table_path(registry: str) -> str:
+def table_path(state: str) -> str:
     """The Parquet table the pipelines train on (partitioned by ``ds``)."""
-    return str(Path(registry).resolve() / "warehouse" / "digits")
+    return str(Path(state).resolve() / "warehouse" / "digits")
 
 
-def training_query(registry: str, ds: str) -> str:
+def training_query(state: str, ds: str) -> str:
     """The rows a run for day ``ds`` trains on: every partition up to and including ``ds``."""
-    return f"SELECT pixels, label FROM parquet.`{table_path(registry)}` WHERE ds <= '{ds}'"
+    return f"SELECT pixels, label FROM parquet.`{table_path(state)}` WHERE ds <= '{ds}'"
 
 
-def append_day(spark: Any, registry: str, ds: str, seed: int = 0) -> dict[str, Any]:
+def append_day(spark: Any, state: str, ds: str, seed: int = 0) -> dict[str, Any]:
     """Write day ``ds``'s rows into the table (replacing only that day's partition, so a retry
     or a rerun of the day writes the same rows once) and the held-out split; return where.
 
@@ -66,7 +69,7 @@ def append_day(spark: Any, registry: str, ds: str, seed: int = 0) -> dict[str, A
     import numpy as np
 
     day = datetime.date.fromisoformat(ds)
-    holdout = prepare_data(registry, seed)
+    holdout = prepare_data(state, seed)
     arrays = dict(np.load(holdout))
     rng = np.random.default_rng(day.toordinal())
     picked = rng.choice(len(arrays["y_train"]), size=ROWS_PER_DAY, replace=False)
@@ -76,7 +79,7 @@ def append_day(spark: Any, registry: str, ds: str, seed: int = 0) -> dict[str, A
         (row.tolist(), int(label), ds)
         for row, label in zip(pixels, arrays["y_train"][picked], strict=True)
     ]
-    table = table_path(registry)
+    table = table_path(state)
     frame = spark.createDataFrame(rows, "pixels array<float>, label int, ds string")
     (
         frame.write.mode("overwrite")
@@ -88,13 +91,13 @@ def append_day(spark: Any, registry: str, ds: str, seed: int = 0) -> dict[str, A
     return {"table": table, "holdout": holdout, "ds": ds, "day_rows": len(rows), "days": days}
 
 
-def append_day_on_embedded_spark(registry: str, ds: str, seed: int = 0) -> dict[str, Any]:
+def append_day_on_embedded_spark(state: str, ds: str, seed: int = 0) -> dict[str, Any]:
     """:func:`append_day` on the pipelines' embedded Spark (started and stopped here)."""
     from sparktorch_ops.spark import SparkSettings, get_session, stop_session
 
     handle = get_session(SparkSettings(conf=SPARK_CONF, app_name="retrain-digits-data"))
     try:
-        return append_day(handle.session, registry, ds, seed)
+        return append_day(handle.session, state, ds, seed)
     finally:
         stop_session(handle)
 
@@ -115,44 +118,103 @@ def evaluate(state_dict: dict[str, Any], data_path: str) -> dict[str, float]:
     return {"accuracy": accuracy, "loss": loss}
 
 
-def current_model(registry: str) -> dict[str, Any] | None:
-    """The promoted model's record, or None before the first promotion."""
-    path = Path(registry) / "current.json"
-    if not path.exists():
-        return None
-    record: dict[str, Any] = json.loads(path.read_text())
-    return record
+def tracking_uri(state: str) -> str:
+    """``MLFLOW_TRACKING_URI`` when set (a shared ``mlflow server``), else a SQLite store under
+    the state directory (absolute: MLflow resolves a relative one against the cwd)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or (
+        f"sqlite:///{Path(state).resolve() / 'mlflow.db'}"
+    )
 
 
-def champion_file(registry: str) -> str | None:
-    """The promoted model's weights file (what the next training warm-starts from), or None."""
-    current = current_model(registry)
-    if current is None or not Path(current["path"]).is_file():
+def ensure_experiment(state: str) -> str:
+    """The pipelines' experiment, created with its artifacts under the state directory when the
+    store is the embedded SQLite one; its id."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri(state))
+    found = client.get_experiment_by_name(EXPERIMENT)
+    if found is not None:
+        return str(found.experiment_id)
+    location = None
+    if "MLFLOW_TRACKING_URI" not in os.environ:
+        location = (Path(state).resolve() / "mlartifacts").as_uri()
+    return str(client.create_experiment(EXPERIMENT, artifact_location=location))
+
+
+def champion(state: str) -> dict[str, Any] | None:
+    """The registered model version under the ``champion`` alias: ``version``, ``run_id`` and
+    its held-out ``accuracy``; None before the first promotion."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri(state))
+    try:
+        version = client.get_model_version_by_alias(MODEL_NAME, CHAMPION)
+    except MlflowException:  # no registered model, or no alias yet
         return None
-    return str(current["path"])
+    accuracy = client.get_run(version.run_id).data.metrics.get("test_accuracy")
+    return {"version": str(version.version), "run_id": version.run_id, "accuracy": accuracy}
+
+
+def champion_file(state: str) -> str | None:
+    """The champion's weights as a local ``torch.save`` file for ``warm_start_from`` (the ranks
+    never call MLflow); None before the first promotion."""
+    import mlflow
+    import torch
+
+    current = champion(state)
+    if current is None:
+        return None
+    mlflow.set_tracking_uri(tracking_uri(state))
+    model = mlflow.pytorch.load_model(f"models:/{MODEL_NAME}/{current['version']}")
+    path = Path(state) / "champion" / f"{MODEL_NAME}-v{current['version']}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), path)
+    return str(path)
 
 
 def publish(
-    registry: str, state_dict: dict[str, Any], metrics: dict[str, float], version: str
+    state: str, run_id: str, state_dict: dict[str, Any], metrics: dict[str, float]
 ) -> dict[str, Any]:
-    """Save the model as ``version``; promote it when its accuracy beats the current model's.
+    """Log the evaluation and the model on the training's MLflow run, register a new version of
+    ``digits-cnn``, and move the ``champion`` alias to it only if it beats the champion.
 
     Returns:
-        ``{"version", "path", "metrics", "promoted", "previous"}``.
+        ``{"version", "run_id", "metrics", "promoted", "previous"}`` (``previous``: the
+        champion before, or None).
     """
+    import mlflow
+    import numpy as np
     import torch
+    from mlflow.tracking import MlflowClient
 
-    target = Path(registry) / "models" / version
-    target.mkdir(parents=True, exist_ok=True)
-    model_path = target / "model.pt"
-    torch.save(state_dict, model_path)
-    (target / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
-    previous = current_model(registry)
-    promoted = previous is None or metrics["accuracy"] > previous["metrics"]["accuracy"]
-    record = {"version": version, "path": str(model_path), "metrics": metrics}
+    uri = tracking_uri(state)
+    client = MlflowClient(uri)
+    previous = champion(state)
+    for key, value in metrics.items():
+        client.log_metric(run_id, f"test_{key}", value)
+    model = DigitsCNN()
+    model.load_state_dict(state_dict)
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run(run_id=run_id):
+        info = mlflow.pytorch.log_model(
+            model,
+            name="model",
+            registered_model_name=MODEL_NAME,
+            # An eager module, its class shipped with it (loadable without this repo).
+            serialization_format="pickle",
+            code_paths=[str(Path(__file__).with_name("ddp_train.py"))],
+            input_example=np.zeros((1, 1, 8, 8), dtype="float32"),
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+        )
+    version = str(info.registered_model_version)
+    promoted = previous is None or metrics["accuracy"] > (previous["accuracy"] or 0.0)
     if promoted:
-        current = Path(registry) / "current.json"
-        tmp = current.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
-        os.replace(tmp, current)
-    return {**record, "promoted": promoted, "previous": previous}
+        client.set_registered_model_alias(MODEL_NAME, CHAMPION, version)
+    return {
+        "version": version,
+        "run_id": run_id,
+        "metrics": metrics,
+        "promoted": promoted,
+        "previous": previous,
+    }

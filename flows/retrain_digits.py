@@ -1,13 +1,17 @@
 """Nightly retraining with Prefect: append the day's data -> train (DDP, 2 ranks, on Spark) ->
-evaluate -> publish.
+evaluate -> register the model in MLflow, promoting it only if it beats the champion.
 
 The data step appends the run's day to a Parquet table partitioned by ``ds`` (a rerun of the
 day replaces only that day's partition); training runs in barrier mode on an embedded Spark
 (``local[2]``: two barrier tasks, one DDP rank each) on every day up to the run's, each rank
 reading its equal share with ``sparktorch_ops.data.partition_loader``. The model is
 examples/ddp_train.py's CNN on scikit-learn's digits; the steps around training are
-examples/pipeline.py's. A new version is saved every run and promoted to current only when its
-held-out accuracy beats the current model's. Everything lives under ``--registry``.
+examples/pipeline.py's. Each flow run is one MLflow run (experiment ``retrain-digits``) with the
+training run nested under it (its metric curves, logged by the driver); the model and its
+held-out scores are logged on the flow's run, registered as a new version of ``digits-cnn``, and
+the ``champion`` alias moves to it only when its accuracy is higher. Training warm-starts from
+the champion. Everything lives under ``--state`` (MLflow: ``MLFLOW_TRACKING_URI`` when set,
+else ``<state>/mlflow.db``).
 
     python flows/retrain_digits.py --once            # one run now (Prefect's ephemeral server)
     python flows/retrain_digits.py --once --day 2025-03-01     # the run for a past day
@@ -21,7 +25,6 @@ in the UI stops its training and leaves no process behind.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,7 +42,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import ddp_train  # noqa: E402
 import pipeline  # noqa: E402
 
-DEFAULT_REGISTRY = str(ROOT / ".state" / "registry")
+DEFAULT_STATE = str(ROOT / ".state")
 
 # The training task as this flow uses it: its own name (and so artifact keys train-digits-*),
 # one retry of the whole distributed job, and an upper bound on its time.
@@ -49,9 +52,9 @@ train_digits = run_torch_distributor.with_options(
 
 
 @task(cache_policy=NO_CACHE)
-def append_data(registry: str, day: str, seed: int) -> dict[str, Any]:
+def append_data(state: str, day: str, seed: int) -> dict[str, Any]:
     """Append the day's rows to the Parquet table (embedded Spark); write the held-out split."""
-    written = pipeline.append_day_on_embedded_spark(registry, day, seed)
+    written = pipeline.append_day_on_embedded_spark(state, day, seed)
     get_run_logger().info("%(day_rows)d rows for %(ds)s in %(table)s (%(days)d days)", written)
     return written
 
@@ -66,37 +69,31 @@ def evaluate(state_dict: dict[str, Any], data_path: str) -> dict[str, float]:
 
 @task(cache_policy=NO_CACHE)
 def publish(
-    registry: str, state_dict: dict[str, Any], metrics: dict[str, float], version: str
+    state: str, run_id: str, state_dict: dict[str, Any], metrics: dict[str, float]
 ) -> dict[str, Any]:
-    """Save the model as ``version``; promote it only if it beats the current model."""
-    record = pipeline.publish(registry, state_dict, metrics, version)
+    """Log the model and scores on the flow's MLflow run, register a new version, and move
+    ``champion`` to it only if it beats the champion."""
+    record = pipeline.publish(state, run_id, state_dict, metrics)
     previous = record["previous"]
-    before = "none"
-    if previous:
-        before = f"{previous['version']} ({previous['metrics']['accuracy']:.4f})"
-    verdict = "promoted to current" if record["promoted"] else "not promoted (current is better)"
+    before = f"v{previous['version']} ({previous['accuracy']:.4f})" if previous else "none"
+    verdict = "now champion" if record["promoted"] else "not promoted (the champion is better)"
+    name = f"{pipeline.MODEL_NAME} v{record['version']}"
     get_run_logger().info(
-        "model %s (accuracy %.4f) %s; previous current: %s",
-        version,
-        metrics["accuracy"],
-        verdict,
-        before,
+        "%s (accuracy %.4f) %s; champion before: %s", name, metrics["accuracy"], verdict, before
     )
     create_markdown_artifact(
         key="retrain-digits-model",
-        description="The model this run published",
+        description="The model version this run registered",
         markdown=(
-            f"### Model {version}: {verdict}\n\n"
+            f"### {name}: {verdict}\n\n"
             "| | |\n|---|---|\n"
-            f"| Path | `{record['path']}` |\n"
+            f"| MLflow run | `{run_id}` |\n"
             f"| Test accuracy | {metrics['accuracy']:.4f} |\n"
             f"| Test loss | {metrics['loss']:.4f} |\n"
-            f"| Current before this run | {before} |\n"
+            f"| Champion before this run | {before} |\n"
         ),
     )
-    published = {k: v for k, v in record.items() if k != "previous"}
-    published["previous_version"] = previous["version"] if previous else None
-    return published
+    return {**{k: v for k, v in record.items() if k != "previous"}, "previous": before}
 
 
 def _scheduled_day() -> str:
@@ -105,67 +102,71 @@ def _scheduled_day() -> str:
     return str(scheduled.date().isoformat())
 
 
-def _version() -> str:
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    run_id = flow_run.get_id()
-    return f"{stamp}-{run_id[:8]}" if run_id else stamp
-
-
 @flow(name="retrain-digits")
 def retrain_digits(
-    registry: str = DEFAULT_REGISTRY,
+    state: str = DEFAULT_STATE,
     epochs: int = 10,
     lr: float = 0.05,
     batch_size: int = 64,
     seed: int = 0,
     num_processes: int = 2,
-    version: str | None = None,
     day: str | None = None,
 ) -> dict[str, Any]:
-    """Retrain the digits model with DDP and publish it, promoting it if it is better.
+    """Retrain the digits model with DDP on Spark and register it, promoting it if better.
 
     Args:
-        registry: directory holding data, model versions and ``current.json``.
+        state: directory holding the table, the held-out split and the MLflow store.
         epochs: training epochs.
         lr: SGD learning rate.
         batch_size: per-rank batch size.
         seed: data split and initialisation seed.
         num_processes: DDP ranks, one per barrier task (the embedded Spark has 2 slots).
-        version: the model version to publish (default: a UTC timestamp and the run id).
         day: the day (YYYY-MM-DD) whose data this run appends and trains up to (default: the
             run's scheduled day).
 
     Returns:
-        The published record: version, path, metrics, promoted, previous_version.
+        The registered version: version, run_id, metrics, promoted, previous (the champion
+        before, in words).
     """
+    import mlflow
+
     day = day or _scheduled_day()
-    data = append_data(registry, day, seed)
-    champion = pipeline.champion_file(registry)
-    get_run_logger().info(
-        f"training warm-starts from the promoted model {champion}"
+    data = append_data(state, day, seed)
+    experiment_id = pipeline.ensure_experiment(state)
+    champion = pipeline.champion_file(state)
+    logger = get_run_logger()
+    logger.info(
+        f"training warm-starts from the champion's weights {champion}"
         if champion
-        else "no promoted model yet: training starts from scratch"
+        else "no champion yet: training starts from scratch"
     )
-    trained = train_digits(
-        ddp_train.train_on_partition,
-        train_kwargs={"epochs": epochs, "lr": lr, "batch_size": batch_size, "seed": seed},
-        input_sql=pipeline.training_query(registry, day),
-        num_processes=num_processes,
-        local_mode=False,
-        use_gpu=False,
-        spark_conf=pipeline.SPARK_CONF,
-        # Weights of the promoted model before epoch 0; a retry resumes from its checkpoints.
-        warm_start_from=champion,
-    )
-    metrics = evaluate(trained["state_dict"], data["holdout"])
-    return publish(registry, trained["state_dict"], metrics, version or _version())
+    mlflow.set_tracking_uri(pipeline.tracking_uri(state))
+    # The flow's MLflow run: the training run nests under it; the model is logged on it.
+    with mlflow.start_run(experiment_id=experiment_id, run_name=f"retrain-digits {day}") as run:
+        mlflow.set_tags({"prefect.flow_run_id": str(flow_run.get_id()), "ds": day})
+        trained = train_digits(
+            ddp_train.train_on_partition,
+            train_kwargs={"epochs": epochs, "lr": lr, "batch_size": batch_size, "seed": seed},
+            input_sql=pipeline.training_query(state, day),
+            num_processes=num_processes,
+            local_mode=False,
+            use_gpu=False,
+            spark_conf=pipeline.SPARK_CONF,
+            # The champion's weights before epoch 0; a retry resumes from its checkpoints.
+            warm_start_from=champion,
+            mlflow_experiment=pipeline.EXPERIMENT,
+            mlflow_tracking_uri=pipeline.tracking_uri(state),
+        )
+        metrics = evaluate(trained["state_dict"], data["holdout"])
+    record = publish(state, run.info.run_id, trained["state_dict"], metrics)
+    return record
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the flow once (``--once``) or serve it on a cron schedule."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--once", action="store_true", help="run the flow once and exit")
-    parser.add_argument("--registry", default=DEFAULT_REGISTRY)
+    parser.add_argument("--state", default=DEFAULT_STATE, help="pipeline state directory")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--num-processes", type=int, default=2)
     parser.add_argument("--day", default=None, help="YYYY-MM-DD (default: the run's day)")
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="nightly", help="deployment name when serving")
     args = parser.parse_args(argv)
     params = {
-        "registry": str(Path(args.registry).resolve()),
+        "state": str(Path(args.state).resolve()),
         "epochs": args.epochs,
         "num_processes": args.num_processes,
     }
@@ -186,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         record = state.result()
         print(
-            f"retrain-digits: version {record['version']} accuracy "
+            f"retrain-digits: digits-cnn v{record['version']} accuracy "
             f"{record['metrics']['accuracy']:.4f} "
-            f"{'promoted' if record['promoted'] else 'not promoted'} -> {record['path']}"
+            f"{'now champion' if record['promoted'] else 'not promoted'} (MLflow run "
+            f"{record['run_id']})"
         )
         return 0
     retrain_digits.serve(name=args.name, cron=args.cron, parameters=params)

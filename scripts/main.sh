@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Set up (or refresh) the virtualenv and run the main job: the example scheduled retraining
 # pipeline, once through Airflow (`airflow dags test` on its SQLite database) and once through
-# Prefect (the flow as a script, on Prefect's ephemeral server). Both train with DDP on 2 ranks
-# through sparktorch_ops and publish to the same model registry (.state/registry), promoting a
-# model only when it beats the current one. State lives under .state/.
+# Prefect (the flow as a script, on Prefect's ephemeral server). Both append the day's rows to a
+# Parquet table, train with DDP in barrier mode on an embedded Spark (local[2]) through
+# sparktorch_ops, track the training in MLflow (sqlite:///.state/mlflow.db unless
+# MLFLOW_TRACKING_URI is set) and register the model there, moving its `champion` alias only when
+# it beats the champion. State lives under .state/.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/venv.sh
 source scripts/env.sh
 mkdir -p .state
-export SPARKTORCH_REGISTRY="${SPARKTORCH_REGISTRY:-$root/.state/registry}"
+export SPARKTORCH_STATE="${SPARKTORCH_STATE:-$root/.state}"
 
 echo "== Airflow: airflow dags test retrain_digits"
 export AIRFLOW_HOME="$root/.state/airflow"
@@ -24,7 +26,14 @@ export PREFECT_HOME="$root/.state/prefect"
 export PREFECT_LOCAL_STORAGE_PATH="$root/.state/prefect/storage"
 # The ephemeral server gets 20 s to start by default; a loaded machine (seen here) needs more.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="${PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS:-120}"
-python flows/retrain_digits.py --once
+python flows/retrain_digits.py --once --state "$SPARKTORCH_STATE"
 
-echo "== registry: $SPARKTORCH_REGISTRY"
-cat "$SPARKTORCH_REGISTRY/current.json"
+echo "== MLflow: the champion of digits-cnn"
+python - <<'PY'
+import os, sys
+sys.path.insert(0, "examples")
+import pipeline
+state = os.environ["SPARKTORCH_STATE"]
+print(f"{pipeline.champion(state)} in {pipeline.tracking_uri(state)}")
+print(f"UI: mlflow ui --backend-store-uri {pipeline.tracking_uri(state)}")
+PY

@@ -8,6 +8,7 @@ finishing, and every step is a phase event for the ``on_event`` hook.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import datetime
 import logging
 import os
@@ -44,6 +45,7 @@ from sparktorch_ops.results import MetricRecord, RunResult
 from sparktorch_ops.spark import SparkSettings
 from sparktorch_ops.spec import DEFAULT_MAX_RESULT_BYTES, LaunchSpec
 from sparktorch_ops.tls import ChannelCertificate, make_certificate
+from sparktorch_ops.tracking import MlflowTracker, loggable_params
 
 _POLL_S = 0.05
 _DRAIN_S = 10.0
@@ -160,6 +162,11 @@ class TorchDistributor:
             resume from its latest complete checkpoint.
         warm_start_from: a checkpoint directory or a ``torch.save``'d model file whose weights
             ``load_latest`` loads when ``checkpoint_dir`` has no checkpoint yet (a resume wins).
+        mlflow_experiment: track each run as one MLflow run in this experiment, logged from
+            the driver (params, every rank 0 ``report()`` as metrics, outcome, Spark tags;
+            nested under the caller's active MLflow run); ranks never talk to MLflow.
+        mlflow_tracking_uri: the tracking URI (default ``MLFLOW_TRACKING_URI``).
+        mlflow_all_ranks: log every rank's records (keys suffixed ``/rank<N>``).
     """
 
     def __init__(
@@ -183,6 +190,9 @@ class TorchDistributor:
         max_local_processes: int | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         warm_start_from: str | os.PathLike[str] | None = None,
+        mlflow_experiment: str | None = None,
+        mlflow_tracking_uri: str | None = None,
+        mlflow_all_ranks: bool = False,
     ) -> None:
         self.spec = LaunchSpec(
             num_processes=num_processes,
@@ -202,6 +212,9 @@ class TorchDistributor:
             max_local_processes=max_local_processes,
             checkpoint_dir=checkpoint_dir,  # type: ignore[arg-type]
             warm_start_from=warm_start_from,  # type: ignore[arg-type]
+            mlflow_experiment=mlflow_experiment,
+            mlflow_tracking_uri=mlflow_tracking_uri,
+            mlflow_all_ranks=mlflow_all_ranks,
         )
         if spark is not None:
             spark_support.refuse_connect(spark)
@@ -390,12 +403,63 @@ class _Run:
         self.spec = job.options
         self.run_id = _new_run_id()
         self.log = self.spec.logger or _default_logger
-        self.machine = RunStateMachine(self.run_id, self.spec.on_event, self.log)
+        self.machine = RunStateMachine(self.run_id, self._on_event, self.log)
         self.done = False
         self.outcome: RunResult | BaseException | None = None
+        self.tracker: MlflowTracker | None = None
 
     def execute(self) -> RunResult:
         self._check_cancelled()  # cancelled while the job was being built
+        if self.spec.tracked:
+            self._start_tracking()  # here: MLflow's active run is the caller thread's
+        try:
+            outcome = self._execute()
+        except BaseException as exc:
+            if self.tracker is not None:
+                self.tracker.finish(exc)
+            raise
+        if self.tracker is not None:
+            self.tracker.finish(outcome)
+            outcome = dataclasses.replace(
+                outcome, mlflow_run_id=self.tracker.run_id, mlflow_run_url=self.tracker.url
+            )
+        return outcome
+
+    def _start_tracking(self) -> None:
+        spec, job = self.spec, self.job
+        tracker = MlflowTracker(
+            spec.mlflow_experiment,
+            spec.mlflow_tracking_uri,
+            all_ranks=spec.mlflow_all_ranks,
+            log=self.log,
+        )
+        train = describe(job.payload)
+        tracker.start(
+            run_name=f"{train} {self.run_id}",
+            params=loggable_params(train, job.args, job.kwargs, spec),
+            tags={"sparktorch_ops.run_id": self.run_id, **spec.mlflow_tags},
+        )
+        self.tracker = tracker
+
+    def _on_metrics(self, record: MetricRecord) -> None:
+        if self.tracker is not None:
+            self.tracker.on_metrics(record)
+        if self.spec.on_metrics is not None:
+            self.spec.on_metrics(record)
+
+    def _on_event(self, event: events.PhaseEvent) -> None:
+        if self.tracker is not None and event.name == events.SESSION_READY:
+            self.tracker.set_tags(
+                {
+                    "spark.app_id": event.detail.get("app_id"),
+                    "spark.ui_url": event.detail.get("ui_url"),
+                    "spark.master": event.detail.get("master"),
+                }
+            )
+        if self.spec.on_event is not None:
+            self.spec.on_event(event)
+
+    def _execute(self) -> RunResult:
         context = contextvars.copy_context()
         thread = threading.Thread(
             target=context.run, args=(self._drive,), name=self.run_id, daemon=True
@@ -559,7 +623,7 @@ class _Run:
         collector = RunCollector(
             self.log,
             log_ranks=spec.log_ranks,
-            on_metrics=spec.on_metrics,
+            on_metrics=self._on_metrics if spec.tracked or spec.on_metrics else None,
             max_restarts=spec.max_restarts,
             keep_rank0_stdout=not isinstance(payload, FunctionCall),
             on_phase=lambda name, **where: self._on_phase(collector, name, **where),

@@ -12,6 +12,7 @@ from typing import Any
 
 from sparktorch_ops.checkpoint import CHECKPOINT_DIR_ENV, WARM_START_ENV
 from sparktorch_ops.errors import ConfigError, ResourceError
+from sparktorch_ops.tracking import strip_tracking_env
 
 # The environment every process of a run carries. RUN_ID_ENV doubles as the marker that finds
 # every process of a run in the process table (tests and operators use it).
@@ -120,11 +121,13 @@ def agent_env(
 ) -> dict[str, str]:
     """The environment of one node's agent; torchrun passes it on to every rank it starts.
 
-    ``user_env`` wins over ``base_env``; OMP_NUM_THREADS is set only where neither sets it
+    ``user_env`` wins over ``base_env`` (which loses MLflow's tracking URI and credentials:
+    ranks never talk to MLflow); OMP_NUM_THREADS is set only where neither sets it
     (Spark itself exports ``spark.task.cpus`` there for its Python workers); CUDA_VISIBLE_DEVICES
     is set whenever GPUs were assigned, and left as the node has it for CPU runs.
     """
-    env = dict(base_env)
+    # Ranks never talk to MLflow: the driver tracks the run (only the user's env= may say so).
+    env = strip_tracking_env(base_env)
     env.update(user_env)
     env[RUN_ID_ENV] = run_id
     env[CHANNEL_ENV] = channel

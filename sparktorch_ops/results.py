@@ -123,6 +123,8 @@ class RunResult:
         checkpoint: with ``checkpoint_dir``: ``dir``, ``resumed_from_step`` (the step the run
             resumed from, None when it started fresh), ``warm_start_from`` (when it applied)
             and ``latest_step`` (the latest complete checkpoint when the run ended).
+        mlflow_run_id: the MLflow run that tracked it (with ``mlflow_experiment``).
+        mlflow_run_url: that run's page in the MLflow UI (an MLflow server's tracking URI).
     """
 
     value: Any
@@ -140,6 +142,8 @@ class RunResult:
     metrics_dropped: int = 0
     input: dict[str, Any] | None = None
     checkpoint: dict[str, Any] | None = None
+    mlflow_run_id: str | None = None
+    mlflow_run_url: str | None = None
 
     @property
     def duration(self) -> pendulum.Duration:
@@ -188,6 +192,9 @@ class RunResult:
             summary["input"] = dict(self.input)
         if self.checkpoint is not None:
             summary["checkpoint"] = dict(self.checkpoint)
+        if self.mlflow_run_id is not None:
+            summary["mlflow_run_id"] = self.mlflow_run_id
+            summary["mlflow_run_url"] = self.mlflow_run_url
         return summary
 
 

@@ -304,6 +304,12 @@ class LaunchSpec:
         warm_start_from: a checkpoint directory or a model file whose weights the ranks'
             ``load_latest`` loads when ``checkpoint_dir`` holds no checkpoint yet
             (``SPARKTORCH_WARM_START_FROM``).
+        mlflow_experiment: track the run in MLflow under this experiment (one MLflow run per
+            training run, logged by the driver; :mod:`sparktorch_ops.tracking`).
+        mlflow_tracking_uri: the tracking URI (default ``MLFLOW_TRACKING_URI``); setting it
+            alone also turns tracking on (MLflow's default experiment).
+        mlflow_all_ranks: log every rank's ``report()`` records, not only rank 0's.
+        mlflow_tags: tags for the MLflow run (the orchestrators add their run's ids).
     """
 
     num_processes: int = 1
@@ -323,6 +329,10 @@ class LaunchSpec:
     max_local_processes: int | None = None
     checkpoint_dir: str | None = None
     warm_start_from: str | None = None
+    mlflow_experiment: str | None = None
+    mlflow_tracking_uri: str | None = None
+    mlflow_all_ranks: bool = False
+    mlflow_tags: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require_int("num_processes", self.num_processes, 1)
@@ -343,6 +353,16 @@ class LaunchSpec:
         object.__setattr__(
             self, "checkpoint_dir", check_location("checkpoint_dir", self.checkpoint_dir)
         )
+        for name in ("mlflow_experiment", "mlflow_tracking_uri"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(name, f"must be a non-empty string or None, got {value!r}")
+        _require_bool("mlflow_all_ranks", self.mlflow_all_ranks)
+        if not isinstance(self.mlflow_tags, Mapping):
+            raise ConfigError("mlflow_tags", f"must be a mapping, got {self.mlflow_tags!r}")
+        object.__setattr__(
+            self, "mlflow_tags", {str(k): str(v) for k, v in self.mlflow_tags.items()}
+        )
         object.__setattr__(
             self,
             "warm_start_from",
@@ -358,6 +378,11 @@ class LaunchSpec:
                 "must be a logging.Logger, a LoggerAdapter or any object with a "
                 f"log(level, msg, *args) method (structlog's, Airflow's), got {self.logger!r}",
             )
+
+    @property
+    def tracked(self) -> bool:
+        """Whether the run is tracked in MLflow."""
+        return self.mlflow_experiment is not None or self.mlflow_tracking_uri is not None
 
     @property
     def mode(self) -> str:

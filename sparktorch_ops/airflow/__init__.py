@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sparktorch_ops.airflow.links import SparkUILink
+    from sparktorch_ops.airflow.links import MlflowRunLink, SparkUILink
     from sparktorch_ops.airflow.operator import TorchDistributorOperator, TorchTrainingError
     from sparktorch_ops.airflow.storage import (
         ResultExistsError,
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "MlflowRunLink",
     "ResultExistsError",
     "ResultIntegrityError",
     "ResultStorageError",
@@ -30,6 +31,7 @@ __all__ = [
 ]
 
 _HOMES = {
+    "MlflowRunLink": "sparktorch_ops.airflow.links",
     "SparkUILink": "sparktorch_ops.airflow.links",
     "TorchDistributorOperator": "sparktorch_ops.airflow.operator",
     "TorchTrainingError": "sparktorch_ops.airflow.operator",

@@ -101,3 +101,24 @@ def resolve_connection(conn_id: str, log: Any) -> SparkConnection:
         )
     master = master_from_connection(conn.conn_type, conn.host, conn.port)
     return SparkConnection(master, conf_from_extra(conn.extra_dejson, log), conn_id)
+
+
+def mlflow_uri_from_connection(conn_id: str, log: Any) -> str | None:
+    """The MLflow tracking URI held by Airflow connection ``conn_id`` (its ``extra``'s
+    ``tracking_uri``, else ``schema://host:port`` with ``http`` by default); None when there
+    is no such connection (then ``MLFLOW_TRACKING_URI`` or MLflow's default applies)."""
+    from airflow.sdk import BaseHook
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
+    try:
+        conn = BaseHook.get_connection(conn_id)
+    except AirflowNotFoundException:
+        return None
+    extra = conn.extra_dejson or {}
+    uri = extra.get("tracking_uri")
+    if not uri and conn.host:
+        host = conn.host if "://" in conn.host else f"{conn.schema or 'http'}://{conn.host}"
+        uri = f"{host}:{conn.port}" if conn.port else host
+    if uri:
+        log.info("sparktorch_ops: MLflow tracking URI from connection %s", conn_id)
+    return str(uri) if uri else None

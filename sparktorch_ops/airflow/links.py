@@ -1,4 +1,4 @@
-"""The operator extra link to the Spark UI of a barrier-mode run.
+"""The operator extra links: the Spark UI of a barrier-mode run, and the MLflow run.
 
 While the task runs, the operator pushes the live driver UI (or the History Server page) under
 this link's XCom key as soon as its Spark session is up, so the button works during training.
@@ -31,3 +31,13 @@ class SparkUILink(BaseOperatorLink):
         (the UI reads it from there); the operator keeps the link up to date while it runs.
         """
         return str(getattr(operator, "spark_ui_link", None) or "")
+
+
+class MlflowRunLink(BaseOperatorLink):
+    """Link to the task's MLflow run in the MLflow UI (an MLflow server's tracking URI)."""
+
+    name = "MLflow run"
+
+    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
+        """The run's MLflow page as the task ends (``""`` without tracking or a UI)."""
+        return str(getattr(operator, "mlflow_run_link", None) or "")

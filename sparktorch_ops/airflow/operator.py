@@ -20,9 +20,10 @@ from sparktorch_ops.airflow import storage
 from sparktorch_ops.airflow.connection import (
     DEFAULT_CONN_ID,
     MissingConnectionError,
+    mlflow_uri_from_connection,
     resolve_connection,
 )
-from sparktorch_ops.airflow.links import SparkUILink
+from sparktorch_ops.airflow.links import MlflowRunLink, SparkUILink
 from sparktorch_ops.dataframe import DataInput
 from sparktorch_ops.errors import ConfigError, SparkTorchError
 from sparktorch_ops.job import CancelToken, build_job
@@ -92,6 +93,14 @@ class TorchDistributorOperator(BaseOperator):
             must be storage every executor reaches (an object store URL, a shared mount).
         warm_start_from: a checkpoint directory or model file whose weights the ranks load
             when ``checkpoint_dir`` has no checkpoint yet (templated).
+        mlflow_experiment: track the run as one MLflow run in this experiment (templated),
+            logged from this worker, tagged with the dag, run, task and try; the XCom gets
+            ``mlflow_run_id`` and the "MLflow run" extra link its page.
+        mlflow_tracking_uri: the tracking URI (templated); default: the ``host`` (with
+            schema and port) of the Airflow connection ``mlflow_conn_id`` when it exists,
+            else ``MLFLOW_TRACKING_URI``.
+        mlflow_conn_id: Airflow connection holding the MLflow tracking URI (default
+            ``mlflow_default``; optional).
         **kwargs: BaseOperator arguments (``task_id``, ``retries``, ``execution_timeout``...).
     """
 
@@ -108,6 +117,8 @@ class TorchDistributorOperator(BaseOperator):
         "input_path",
         "checkpoint_dir",
         "warm_start_from",
+        "mlflow_experiment",
+        "mlflow_tracking_uri",
     )
     template_fields_renderers: ClassVar[dict[str, str]] = {
         "train_kwargs": "py",
@@ -115,7 +126,7 @@ class TorchDistributorOperator(BaseOperator):
         "spark_conf": "json",
         "env": "json",
     }
-    operator_extra_links = (SparkUILink(),)
+    operator_extra_links = (SparkUILink(), MlflowRunLink())
     ui_color = "#ee4c2c"
 
     def __init__(
@@ -146,6 +157,9 @@ class TorchDistributorOperator(BaseOperator):
         input_format: str = "parquet",
         checkpoint_dir: str | None = None,
         warm_start_from: str | None = None,
+        mlflow_experiment: str | None = None,
+        mlflow_tracking_uri: str | None = None,
+        mlflow_conn_id: str = "mlflow_default",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -175,6 +189,9 @@ class TorchDistributorOperator(BaseOperator):
         self.input_sql, self.input_table = input_sql, input_table
         self.input_path, self.input_format = input_path, input_format
         self.checkpoint_dir, self.warm_start_from = checkpoint_dir, warm_start_from
+        self.mlflow_experiment, self.mlflow_tracking_uri = mlflow_experiment, mlflow_tracking_uri
+        self.mlflow_conn_id = mlflow_conn_id
+        self.mlflow_run_link: str | None = None
         # Read by SparkUILink when the task ends; None: not known in this process.
         self.spark_ui_link: str | None = None
         # Made up front so that on_kill during templating is not lost; a fresh one per try.
@@ -183,6 +200,7 @@ class TorchDistributorOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         """Build the job from the rendered arguments, run it, return the XCom summary."""
         self.spark_ui_link = ""
+        self.mlflow_run_link = ""
         token = self._cancel_token
         try:
             data = self._data_input()
@@ -205,6 +223,9 @@ class TorchDistributorOperator(BaseOperator):
                 max_local_processes=self.max_local_processes,
                 checkpoint_dir=self._checkpoint_dir(context),
                 warm_start_from=self.warm_start_from or None,
+                mlflow_experiment=self.mlflow_experiment or None,
+                mlflow_tracking_uri=self._mlflow_tracking_uri(),
+                mlflow_tags=_airflow_tags(context),
                 logger=self.log,
                 on_metrics=self._on_metrics,
                 on_event=lambda event: self._on_event(event, context),
@@ -214,6 +235,7 @@ class TorchDistributorOperator(BaseOperator):
             from sparktorch_ops.distributor import launch_job
 
             result = launch_job(job)
+            self.mlflow_run_link = result.mlflow_run_url or ""
         except SparkTorchError as exc:
             outcome = outcome_of(exc)
             if not outcome.retryable:
@@ -231,6 +253,15 @@ class TorchDistributorOperator(BaseOperator):
         ``execute`` tears the run down and raises.
         """
         self._cancel_token.cancel("the Airflow task was killed (on_kill)")
+
+    def _mlflow_tracking_uri(self) -> str | None:
+        """The rendered ``mlflow_tracking_uri``, else the ``mlflow_conn_id`` connection's (when
+        tracking is on and the connection exists), else None (``MLFLOW_TRACKING_URI``)."""
+        if self.mlflow_tracking_uri:
+            return str(self.mlflow_tracking_uri)
+        if not self.mlflow_experiment:
+            return None
+        return mlflow_uri_from_connection(self.mlflow_conn_id, self.log)
 
     def _checkpoint_dir(self, context: Context) -> str:
         """The rendered ``checkpoint_dir``, else the task instance's own (kept across tries)."""
@@ -328,3 +359,18 @@ class TorchDistributorOperator(BaseOperator):
                 fields["value_size"],
             )
         return {**fields, **result.summary()}
+
+
+def _airflow_tags(context: Context) -> dict[str, str]:
+    """MLflow tags that find the task try that trained."""
+    ti: Any = context["ti"]
+    tags = {
+        "airflow.dag_id": ti.dag_id,
+        "airflow.run_id": ti.run_id,
+        "airflow.task_id": ti.task_id,
+        "airflow.try_number": str(ti.try_number),
+    }
+    map_index = getattr(ti, "map_index", -1)
+    if map_index is not None and map_index >= 0:
+        tags["airflow.map_index"] = str(map_index)
+    return tags

@@ -39,7 +39,10 @@ def get_provider_info() -> dict[str, Any]:
                 "python-modules": ["sparktorch_ops.airflow.operator"],
             }
         ],
-        "extra-links": ["sparktorch_ops.airflow.links.SparkUILink"],
+        "extra-links": [
+            "sparktorch_ops.airflow.links.SparkUILink",
+            "sparktorch_ops.airflow.links.MlflowRunLink",
+        ],
         "config": {
             "sparktorch_ops": {
                 "description": "Defaults of TorchDistributorOperator.",

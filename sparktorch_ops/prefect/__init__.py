@@ -15,7 +15,7 @@ Prefect is imported only by this subpackage; the core never imports it.
 from __future__ import annotations
 
 from sparktorch_ops.prefect.artifacts import RunArtifacts, RunSummary, artifact_keys
-from sparktorch_ops.prefect.blocks import SparkCluster
+from sparktorch_ops.prefect.blocks import MlflowServer, SparkCluster
 from sparktorch_ops.prefect.results import (
     TASK_RUN_RESULT_KEY,
     TaskRunResultKey,
@@ -26,6 +26,7 @@ from sparktorch_ops.spark import validate_master
 
 __all__ = [
     "TASK_RUN_RESULT_KEY",
+    "MlflowServer",
     "RunArtifacts",
     "RunSummary",
     "SparkCluster",

@@ -37,7 +37,7 @@ from sparktorch_ops.results import MetricRecord, RunResult
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
 KEY_PATTERN = re.compile(r"^[a-z0-9-]+$")
-SUFFIXES = ("progress", "metrics", "summary", "spark-ui")
+SUFFIXES = ("progress", "metrics", "summary", "spark-ui", "mlflow")
 MAX_TABLE_ROWS = 1000
 _ERROR_LINES = 40
 
@@ -126,6 +126,7 @@ class RunSummary:
         error: the error's message, for a run that did not complete.
         input: the DataFrame input's ``rows``, ``columns`` and ``source``, if any.
         checkpoint: ``RunResult.checkpoint``: the directory, the step resumed from, if any.
+        mlflow_run_id, mlflow_run_url: the MLflow run that tracked it, and its page.
     """
 
     title: str
@@ -142,6 +143,8 @@ class RunSummary:
     error: str | None = None
     input: Mapping[str, Any] | None = None
     checkpoint: Mapping[str, Any] | None = None
+    mlflow_run_id: str | None = None
+    mlflow_run_url: str | None = None
 
     def complete(self, result: RunResult, where: str) -> None:
         """Fill in a completed run: its duration, metrics, result line, ids and link."""
@@ -152,6 +155,7 @@ class RunSummary:
         self.run_id, self.app_id, self.ui_url = result.run_id, result.app_id, result.ui_url
         self.input = result.input
         self.checkpoint = result.checkpoint
+        self.mlflow_run_id, self.mlflow_run_url = result.mlflow_run_id, result.mlflow_run_url
 
     def markdown(self) -> str:
         """The summary as markdown."""
@@ -185,6 +189,13 @@ class RunSummary:
                     f"`{self.checkpoint.get('dir')}`",
                 )
             )
+        if self.mlflow_run_id:
+            run = (
+                f"[`{self.mlflow_run_id}`]({self.mlflow_run_url})"
+                if self.mlflow_run_url
+                else f"`{self.mlflow_run_id}`"
+            )
+            rows.append(("MLflow run", run))
         if self.result:
             rows.append(("Result", self.result))
         if self.app_id:
@@ -341,6 +352,18 @@ class RunArtifacts:
                     link_text=f"Spark UI of {summary.app_id or 'the run'}",
                     key=self.keys["spark-ui"],
                     description=ui_description(ui_url, session_created),
+                ),
+            )
+
+        mlflow_url = summary.mlflow_run_url
+        if mlflow_url:
+            self._safely(
+                "mlflow",
+                lambda: create_link_artifact(
+                    link=mlflow_url,
+                    link_text=f"MLflow run {summary.mlflow_run_id}",
+                    key=self.keys["mlflow"],
+                    description=f"The MLflow run that tracked {summary.title}",
                 ),
             )
 

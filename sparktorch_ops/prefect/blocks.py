@@ -1,4 +1,5 @@
-"""The Spark cluster a training runs on: master URL and conf, as a Prefect block.
+"""Prefect blocks: the Spark cluster a training runs on (master URL and conf), and the MLflow
+server that tracks it.
 
 A deployment names a cluster (``SparkCluster.load("gpu-cluster")``, or ``cluster="gpu-cluster"``
 on the task) instead of repeating the master and conf in every flow. Validation and sessions
@@ -79,3 +80,43 @@ class SparkCluster(Block):
         """
         handle = spark_support.get_session(self.settings(), logger)
         return handle.session, handle.created
+
+
+class MlflowServer(Block):
+    """The MLflow tracking server for ``run_torch_distributor(mlflow_experiment=...)``.
+
+    Save it once (``MlflowServer(tracking_uri="http://mlflow:5000").save("prod")``) and pass
+    ``mlflow_tracking_uri="prod"`` to the task.
+
+    Attributes:
+        tracking_uri: the MLflow tracking URI.
+    """
+
+    _block_type_name: ClassVar[str] = "MLflow Server"
+    _block_type_slug: ClassVar[str] = "sparktorch-ops-mlflow-server"
+    _description: ClassVar[str] = "The MLflow tracking server of sparktorch_ops training runs."
+
+    tracking_uri: str = Field(
+        description="MLflow tracking URI.",
+        examples=["http://mlflow:5000", "sqlite:////data/mlflow.db"],
+    )
+
+
+def resolve_tracking_uri(value: str | None) -> str | None:
+    """A tracking URI as given, or the one of the saved :class:`MlflowServer` block it names
+    (a value without ``:``); None stays None (``MLFLOW_TRACKING_URI``).
+
+    Raises:
+        ConfigError: a name that is no saved block.
+    """
+    if value is None or ":" in value or "/" in value:
+        return value
+    from sparktorch_ops.errors import ConfigError
+
+    try:
+        block: Any = MlflowServer.load(value)
+    except ValueError as exc:
+        raise ConfigError(
+            "mlflow_tracking_uri", f"is neither a URI nor a saved MlflowServer block: {exc}"
+        ) from None
+    return str(block.tracking_uri)

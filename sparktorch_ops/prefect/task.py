@@ -36,7 +36,7 @@ from sparktorch_ops.prefect.artifacts import (
     describe_error,
     key_from_name,
 )
-from sparktorch_ops.prefect.blocks import SparkCluster
+from sparktorch_ops.prefect.blocks import SparkCluster, resolve_tracking_uri
 from sparktorch_ops.prefect.results import (
     TASK_RUN_RESULT_KEY,
     default_checkpoint_dir,
@@ -108,6 +108,8 @@ def run_torch_distributor(
     input_format: str = "parquet",
     checkpoint_dir: str | None = None,
     warm_start_from: str | None = None,
+    mlflow_experiment: str | None = None,
+    mlflow_tracking_uri: str | None = None,
 ) -> Any:
     """Run a training function or script on ``num_processes`` ranks; return rank 0's value.
 
@@ -151,6 +153,12 @@ def run_torch_distributor(
             cluster give storage every executor reaches (an object store URL, a shared mount).
         warm_start_from: a checkpoint directory or model file whose weights the ranks load
             when ``checkpoint_dir`` has no checkpoint yet.
+        mlflow_experiment: track the run as one MLflow run in this experiment (logged from
+            this process, tagged with the flow run and task run); the summary artifact names
+            it and ``<key>-mlflow`` links to it.
+        mlflow_tracking_uri: the tracking URI, or the name of a saved
+            :class:`~sparktorch_ops.prefect.MlflowServer` block (default
+            ``MLFLOW_TRACKING_URI``).
 
     Returns:
         Rank 0's return value (a function) or rank 0's stdout (a script).
@@ -200,6 +208,9 @@ def run_torch_distributor(
         max_local_processes=max_local_processes,
         checkpoint_dir=checkpoint_dir or default_checkpoint_dir(ctx),
         warm_start_from=warm_start_from,
+        mlflow_experiment=mlflow_experiment,
+        mlflow_tracking_uri=resolve_tracking_uri(mlflow_tracking_uri),
+        mlflow_tags=_prefect_tags(ctx),
         logger=logger,
         on_metrics=recorder.on_metrics if recorder is not None else None,
         on_event=on_event,
@@ -252,3 +263,13 @@ def run_torch_distributor(
         summary.final_metrics or "none reported",
     )
     return result.value
+
+
+def _prefect_tags(ctx: TaskRunContext | None) -> dict[str, str]:
+    """MLflow tags that find the flow run and task run that trained."""
+    if ctx is None:
+        return {}
+    tags = {"prefect.task_run_id": str(ctx.task_run.id), "prefect.task_run": ctx.task_run.name}
+    if ctx.task_run.flow_run_id is not None:
+        tags["prefect.flow_run_id"] = str(ctx.task_run.flow_run_id)
+    return tags

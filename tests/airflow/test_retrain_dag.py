@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -35,35 +34,51 @@ def test_example_dag_loads_without_import_errors() -> None:
     assert "WHERE ds <= '{{ ds }}'" in train.input_sql
 
 
-def test_example_dag_trains_evaluates_and_publishes(
+def test_example_dag_trains_tracks_and_promotes_only_a_better_model(
     capfd: pytest.CaptureFixture[str], run_dag: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    registry = tmp_path_factory.mktemp("registry")
-    outcome = run_dag(capfd, "retrain_digits", registry=str(registry), epochs=6)
+    from mlflow.tracking import MlflowClient
+
+    state = tmp_path_factory.mktemp("state")
+    outcome = run_dag(capfd, "retrain_digits", state=str(state), epochs=6)
     assert outcome.state == "success"
 
     train = outcome.xcom("train")
     assert (train["num_processes"], train["mode"]) == (2, "barrier")
     day = outcome.logical_date.strftime("%Y-%m-%d")
-    assert (registry / "warehouse" / "digits" / f"ds={day}").is_dir()
+    assert (state / "warehouse" / "digits" / f"ds={day}").is_dir()
     assert train["input"]["rows"] == 600 and train["input"]["columns"] == ["pixels", "label"]
     # The weights are not JSON: they went to the run's result location, not into XCom.
     assert "value" not in train
-    assert train["value_uri"].startswith((registry / "runs").as_uri())
+    assert train["value_uri"].startswith((state / "runs").as_uri())
     assert "torch.Tensor" in train["value_stored_because"]
-    assert train["metrics"]["loss"] > 0
-    assert train["progress"] == 1.0
+    assert train["metrics"]["loss"] > 0 and train["progress"] == 1.0
+    assert "[rank 0|" in outcome.task_log("train") and "epoch 5: loss" in outcome.task_log("train")
 
+    # One MLflow run per training, in the embedded SQLite store under the state directory.
+    client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
+    run = client.get_run(train["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["airflow.dag_id"] == "retrain_digits"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(6))
     metrics = outcome.xcom("evaluate")
     assert 0.5 < metrics["accuracy"] <= 1.0
+    assert (
+        run.info.run_id
+        and client.get_run(run.info.run_id).data.metrics["test_accuracy"] == (metrics["accuracy"])
+    )
     published = outcome.xcom("publish")
-    assert published["promoted"] is True  # the first model of an empty registry
-    model_dir = Path(published["path"]).parent
-    assert model_dir.parent == registry / "models"
-    assert json.loads((model_dir / "metrics.json").read_text()) == metrics
-    current = json.loads((registry / "current.json").read_text())
-    assert current["version"] == published["version"] == model_dir.name
-    assert "[rank 0|" in outcome.task_log("train") and "epoch 5: loss" in outcome.task_log("train")
+    assert published["promoted"] is True and published["version"] == "1"
+    assert str(client.get_model_version_by_alias("digits-cnn", "champion").version) == "1"
+
+    # A worse model (a diverging learning rate) is registered, but the champion stays.
+    worse = run_dag(capfd, "retrain_digits", state=str(state), epochs=1, lr=50.0)
+    assert worse.state == "success"
+    assert worse.xcom("train")["checkpoint"]["warm_start_from"] is not None  # from the champion
+    record = worse.xcom("publish")
+    assert record["version"] == "2" and record["promoted"] is False
+    assert worse.xcom("evaluate")["accuracy"] < metrics["accuracy"]
+    assert str(client.get_model_version_by_alias("digits-cnn", "champion").version) == "1"
+    assert "the champion stays" in worse.task_log("publish")
 
 
 def test_each_scheduled_run_trains_on_the_days_up_to_its_logical_date(
@@ -73,23 +88,21 @@ def test_each_scheduled_run_trains_on_the_days_up_to_its_logical_date(
 
     from tests.airflow.conftest import load_dag, read_xcom
 
-    registry = tmp_path_factory.mktemp("registry")
+    state = tmp_path_factory.mktemp("state")
     dag = load_dag("retrain_digits")
     seen, warm = [], []
     # March 2nd first; March 1st backfilled late sees only its own day, not March 2nd's rows.
     for day in (2, 1, 3):
         run = dag.test(
             logical_date=pendulum.datetime(2025, 3, day, 3, tz="UTC"),
-            run_conf={"registry": str(registry), "epochs": 1},
+            run_conf={"state": str(state), "epochs": 1},
         )
         assert str(run.state) == "success"
         summary = read_xcom(run.dag_id, run.run_id, "train", "return_value")
         seen.append(summary["input"]["rows"])
         warm.append(summary["checkpoint"]["warm_start_from"])
     assert seen == [600, 600, 1800]
-    # The first run trains from scratch; later ones warm-start from the promoted model.
-    current = json.loads((registry / "current.json").read_text())
-    assert warm[0] is None and warm[1] is not None and warm[1].startswith(str(registry / "models"))
-    assert Path(current["path"]).is_file()
-    partitions = sorted(p.name for p in (registry / "warehouse" / "digits").glob("ds=*"))
+    # The first run trains from scratch; later ones warm-start from the champion's weights.
+    assert warm[0] is None and warm[1] is not None and warm[1].startswith(str(state / "champion"))
+    partitions = sorted(p.name for p in (state / "warehouse" / "digits").glob("ds=*"))
     assert partitions == ["ds=2025-03-01", "ds=2025-03-02", "ds=2025-03-03"]

@@ -96,8 +96,8 @@ def task_runs(flow_run_id: UUID, count: int = 1) -> list[Any]:
 
 
 @pytest.fixture
-def registry(tmp_path: Path) -> Path:
-    """An empty model registry directory."""
-    path = tmp_path / "registry"
+def state_dir(tmp_path: Path) -> Path:
+    """An empty pipeline state directory (table, held-out split, MLflow store)."""
+    path = tmp_path / "state"
     path.mkdir()
     return path

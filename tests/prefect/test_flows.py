@@ -21,22 +21,31 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "flows"))
 
 
-def test_retrain_digits_flow_publishes_and_reports(registry: Path) -> None:
+def test_retrain_digits_flow_publishes_and_reports(state_dir: Path) -> None:
+    from mlflow.tracking import MlflowClient
     from retrain_digits import retrain_digits
 
-    state = retrain_digits(registry=str(registry), epochs=2, day="2025-03-02", return_state=True)
+    state = retrain_digits(state=str(state_dir), epochs=2, day="2025-03-02", return_state=True)
     assert state.is_completed(), state.message
     record = state.result()
-    assert record["promoted"] is True and record["previous_version"] is None
-    assert Path(record["path"]).is_file()
-    current = json.loads((registry / "current.json").read_text())
-    assert current["version"] == record["version"]
-    assert 0.0 <= record["metrics"]["accuracy"] <= 1.0
+    assert record["promoted"] is True and record["previous"] == "none"
+    assert record["version"] == "1" and 0.0 <= record["metrics"]["accuracy"] <= 1.0
+    # MLflow: the flow's run holds the model and its scores; the training run nests under it.
+    client = MlflowClient(f"sqlite:///{state_dir / 'mlflow.db'}")
+    assert client.get_model_version_by_alias("digits-cnn", "champion").run_id == record["run_id"]
+    flow_mlflow_run = client.get_run(record["run_id"])
+    assert flow_mlflow_run.data.metrics["test_accuracy"] == record["metrics"]["accuracy"]
+    (training,) = client.search_runs(
+        [flow_mlflow_run.info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{record['run_id']}'",
+    )
+    assert training.info.status == "FINISHED" and "prefect.task_run_id" in training.data.tags
+    assert [m.step for m in client.get_metric_history(training.info.run_id, "loss")] == [0, 1]
 
     flow_run_id = state.state_details.flow_run_id
     runs = {run.name.rsplit("-", 1)[0]: run for run in task_runs(flow_run_id, count=4)}
     assert set(runs) == {"append_data", "train-digits", "evaluate", "publish"}
-    assert [p.name for p in (registry / "warehouse" / "digits").glob("ds=*")] == ["ds=2025-03-02"]
+    assert [p.name for p in (state_dir / "warehouse" / "digits").glob("ds=*")] == ["ds=2025-03-02"]
     assert all(run.state.is_completed() for run in runs.values())
 
     artifacts = flow_run_artifacts(flow_run_id)
@@ -53,13 +62,14 @@ def test_retrain_digits_flow_publishes_and_reports(registry: Path) -> None:
         "| Input | 600 rows from sql:",
         "loss",
         "persisted in Prefect result storage at",
+        f"| MLflow run | `{training.info.run_id}` |",
     ):
         assert text in summary, text
     stored = summary.split("persisted in Prefect result storage at `", 1)[1].split("`", 1)[0]
     assert Path(stored).is_file()  # the trained value really is in result storage
     assert "](http://" in artifacts["train-digits-spark-ui"].data  # barrier mode: the Spark UI
     model_card = artifacts["retrain-digits-model"].data
-    assert record["version"] in model_card and "promoted to current" in model_card
+    assert "digits-cnn v1: now champion" in model_card
 
     logs = flow_run_logs(flow_run_id)
     lines = [log.message for log in logs if log.task_run_id == runs["train-digits"].id]

@@ -1,0 +1,261 @@
+"""MLflow tracking from the driver: one MLflow run per training run, never one per rank.
+
+With ``mlflow_experiment=`` (or ``mlflow_tracking_uri=``) set, :class:`MlflowTracker` opens an
+MLflow run before anything starts, on the caller's thread (so an MLflow run active there
+becomes its parent), and logs to it from the driver only:
+
+* params: ``num_processes``, ``mode``, ``use_gpu``, ``max_restarts``, the training function or
+  script, its arguments as far as they are loggable, ``torchrun_args``;
+* every ``sparktorch_ops.report()`` record as metrics at its step (rank 0's; with
+  ``mlflow_all_ranks=True`` every rank's, other ranks' keys suffixed ``/rank<N>``), sent in
+  batches from a background thread so a slow tracking server never slows the run;
+* tags: the run id, the Spark application id and UI link, and whatever the orchestrator adds
+  (Airflow's dag/run/task, Prefect's flow run); at the end the outcome, ``duration_s`` and
+  the run's status (``FINISHED``, ``FAILED`` or ``KILLED`` for a cancelled run).
+
+The ranks never talk to MLflow: the tracking URI and credentials (``MLFLOW_TRACKING_*``) are
+removed from their environment (:func:`strip_tracking_env`). The tracking URI is
+``mlflow_tracking_uri=``, else ``MLFLOW_TRACKING_URI``, else MLflow's default.
+mlflow is imported only when tracking is on (extra ``sparktorch_ops[mlflow]``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from sparktorch_ops.errors import ConfigError
+
+# Environment variables that would let a rank reach the tracking server (never sent there).
+TRACKING_ENV_PREFIXES = ("MLFLOW_TRACKING_", "DATABRICKS_")
+_PARAM_VALUE_LIMIT = 6000  # MLflow's limit on a param value
+_BATCH_LIMIT = 1000  # MLflow's limit on metrics per log_batch
+_FLUSH_S = 0.5
+
+
+def strip_tracking_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without the tracking URI and credentials: ranks never talk to MLflow."""
+    return {k: v for k, v in env.items() if not k.startswith(TRACKING_ENV_PREFIXES)}
+
+
+def loggable_params(train: str, args: Any, kwargs: Mapping[str, Any], spec: Any) -> dict[str, str]:
+    """The run's params as MLflow takes them (strings, cut to MLflow's limit); arguments that
+    are not JSON (tensors, DataFrames) are named by type, not dumped."""
+
+    def text(value: Any) -> str:
+        try:
+            rendered = json.dumps(value, default=lambda v: f"<{type(v).__name__}>")
+        except (TypeError, ValueError):
+            rendered = f"<{type(value).__name__}>"
+        return rendered[:_PARAM_VALUE_LIMIT]
+
+    params = {
+        "num_processes": str(spec.num_processes),
+        "mode": spec.mode,
+        "use_gpu": str(spec.use_gpu),
+        "max_restarts": str(spec.max_restarts),
+        "train": train,
+    }
+    if args:
+        params["args"] = text(list(args))
+    for key, value in kwargs.items():
+        params[f"kwargs.{key}"] = text(value)
+    if spec.torchrun_args:
+        params["torchrun_args"] = " ".join(spec.torchrun_args)
+    return params
+
+
+def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
+    """The MLflow UI's page of a run, when the tracking URI is an MLflow server (http[s])."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return None
+    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+class MlflowTracker:
+    """One training run's MLflow run, written from the driver.
+
+    Args:
+        experiment: the experiment name (created when missing); None: MLflow's default.
+        tracking_uri: the tracking URI; None: ``MLFLOW_TRACKING_URI`` or MLflow's default.
+        all_ranks: log every rank's records (other ranks' keys suffixed ``/rank<N>``).
+        log: where problems with the tracking server are reported (they never fail a run).
+
+    Raises:
+        ConfigError: mlflow is not installed, or the tracking server or experiment cannot
+            be reached, before anything of the run starts.
+    """
+
+    def __init__(
+        self,
+        experiment: str | None,
+        tracking_uri: str | None,
+        *,
+        all_ranks: bool = False,
+        log: logging.Logger | Any,
+    ) -> None:
+        try:
+            import mlflow
+            from mlflow.tracking import MlflowClient
+        except ImportError as exc:
+            raise ConfigError(
+                "mlflow_experiment",
+                f"needs mlflow ({exc}): pip install 'sparktorch_ops[mlflow]'",
+            ) from None
+        self.log = log
+        self.all_ranks = all_ranks
+        self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
+        argument = "mlflow_tracking_uri" if tracking_uri else "mlflow_experiment"
+        try:
+            self.client = MlflowClient(tracking_uri=self.tracking_uri)
+            self.experiment_id = self._experiment_id(experiment)
+        except Exception as exc:
+            raise ConfigError(
+                argument, f"MLflow at {self.tracking_uri} cannot be used: {_first_line(exc)}"
+            ) from exc
+        # Read here, on the caller's thread: mlflow's active run is thread-local.
+        active = mlflow.active_run()
+        self.parent_run_id = active.info.run_id if active is not None else None
+        self.run_id = ""
+        self.url: str | None = None
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._started = 0.0
+
+    def _experiment_id(self, name: str | None) -> str:
+        if name is None:
+            return "0"
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return str(found.experiment_id)
+        try:
+            return str(self.client.create_experiment(name))
+        except Exception:  # created meanwhile by another run
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return str(found.experiment_id)
+
+    def start(self, run_name: str, params: Mapping[str, str], tags: Mapping[str, str]) -> str:
+        """Create the MLflow run (nested under the caller's active run, if any); its id."""
+        all_tags = dict(tags)
+        if self.parent_run_id is not None:
+            all_tags["mlflow.parentRunId"] = self.parent_run_id
+        run = self.client.create_run(self.experiment_id, tags=all_tags, run_name=run_name)
+        self.run_id = run.info.run_id
+        self.url = run_url(self.tracking_uri, self.experiment_id, self.run_id)
+        self._started = time.monotonic()
+        for key, value in params.items():
+            self.client.log_param(self.run_id, key, value)
+        self._thread = threading.Thread(
+            target=self._send, name=f"mlflow-{self.run_id[:8]}", daemon=True
+        )
+        self._thread.start()
+        self.log.info(
+            "sparktorch_ops: MLflow run %s in experiment %s%s",
+            self.run_id,
+            self.experiment_id,
+            f" ({self.url})" if self.url else f" at {self.tracking_uri}",
+        )
+        return self.run_id
+
+    def on_metrics(self, record: Any) -> None:
+        """A ``report()`` record: queued for the sender thread (never blocks the run)."""
+        if record.rank != 0 and not self.all_ranks:
+            return
+        suffix = "" if record.rank == 0 else f"/rank{record.rank}"
+        self._queue.put((record, suffix))
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        """Tags learnt during the run (the Spark application and UI)."""
+        for key, value in tags.items():
+            if value is not None:
+                self._queue.put(("tag", key, str(value)))
+
+    def finish(self, outcome: Any) -> None:
+        """Flush the metrics, then end the run with the outcome's status.
+
+        ``outcome`` is the :class:`~sparktorch_ops.RunResult` or the exception the run ended
+        with; tracking problems are logged, never raised.
+        """
+        from sparktorch_ops.errors import TrainingCancelledError
+
+        if not self.run_id:
+            return
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        if isinstance(outcome, BaseException):
+            status = "KILLED" if isinstance(outcome, TrainingCancelledError) else "FAILED"
+            detail = f"{type(outcome).__name__}: {_first_line(outcome)}"
+        else:
+            status, detail = "FINISHED", "succeeded"
+        try:
+            self.client.set_tag(self.run_id, "sparktorch_ops.outcome", detail[:5000])
+            self.client.log_metric(
+                self.run_id, "duration_s", round(time.monotonic() - self._started, 3)
+            )
+            self.client.set_terminated(self.run_id, status=status)
+        except Exception as exc:
+            self.log.warning("sparktorch_ops: could not end MLflow run %s: %s", self.run_id, exc)
+
+    def _send(self) -> None:
+        """Sender thread: batches of metrics (and tags) until ``finish`` queues None."""
+        from mlflow.entities import Metric
+
+        done = False
+        while not done:
+            items: list[Any] = [self._queue.get()]
+            deadline = time.monotonic() + _FLUSH_S
+            while len(items) < _BATCH_LIMIT and time.monotonic() < deadline:
+                try:
+                    items.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    break
+            metrics = []
+            for item in items:
+                if item is None:
+                    done = True
+                elif item[0] == "tag":
+                    self._call(self.client.set_tag, self.run_id, item[1], item[2])
+                else:
+                    record, suffix = item
+                    for key, value in record.values.items():
+                        if isinstance(value, bool) or not isinstance(value, int | float):
+                            continue  # MLflow metrics are numbers
+                        metrics.append(
+                            Metric(
+                                f"{key}{suffix}", float(value), int(record.time * 1000), record.step
+                            )
+                        )
+                    if record.progress is not None:
+                        metrics.append(
+                            Metric(
+                                f"progress{suffix}",
+                                float(record.progress),
+                                int(record.time * 1000),
+                                record.step,
+                            )
+                        )
+            for start in range(0, len(metrics), _BATCH_LIMIT):
+                self._call(
+                    self.client.log_batch,
+                    self.run_id,
+                    metrics=metrics[start : start + _BATCH_LIMIT],
+                )
+
+    def _call(self, method: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            method(*args, **kwargs)
+        except Exception as exc:  # tracking must never fail the training
+            self.log.warning("sparktorch_ops: MLflow %s failed: %s", method.__name__, exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
