@@ -16,8 +16,10 @@ noise; the test split never enters the table.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +128,26 @@ def tracking_uri(state: str) -> str:
     )
 
 
+@contextlib.contextmanager
+def using_tracking_uri(state: str) -> Iterator[str]:
+    """MLflow's process-wide tracking URI set to the pipeline's for a block, then put back
+    (``mlflow.set_tracking_uri`` also writes ``MLFLOW_TRACKING_URI`` into the environment)."""
+    import mlflow
+
+    saved_env = os.environ.get("MLFLOW_TRACKING_URI")
+    saved = mlflow.get_tracking_uri()
+    uri = tracking_uri(state)
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield uri
+    finally:
+        mlflow.set_tracking_uri(saved)
+        if saved_env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = saved_env
+
+
 def ensure_experiment(state: str) -> str:
     """The pipelines' experiment, created with its artifacts under the state directory when the
     store is the embedded SQLite one; its id."""
@@ -165,8 +187,8 @@ def champion_file(state: str) -> str | None:
     current = champion(state)
     if current is None:
         return None
-    mlflow.set_tracking_uri(tracking_uri(state))
-    model = mlflow.pytorch.load_model(f"models:/{MODEL_NAME}/{current['version']}")
+    with using_tracking_uri(state):
+        model = mlflow.pytorch.load_model(f"models:/{MODEL_NAME}/{current['version']}")
     path = Path(state) / "champion" / f"{MODEL_NAME}-v{current['version']}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), path)
@@ -195,8 +217,7 @@ def publish(
         client.log_metric(run_id, f"test_{key}", value)
     model = DigitsCNN()
     model.load_state_dict(state_dict)
-    mlflow.set_tracking_uri(uri)
-    with mlflow.start_run(run_id=run_id):
+    with using_tracking_uri(state), mlflow.start_run(run_id=run_id):
         info = mlflow.pytorch.log_model(
             model,
             name="model",

@@ -140,9 +140,11 @@ def retrain_digits(
         if champion
         else "no champion yet: training starts from scratch"
     )
-    mlflow.set_tracking_uri(pipeline.tracking_uri(state))
     # The flow's MLflow run: the training run nests under it; the model is logged on it.
-    with mlflow.start_run(experiment_id=experiment_id, run_name=f"retrain-digits {day}") as run:
+    with (
+        pipeline.using_tracking_uri(state),
+        mlflow.start_run(experiment_id=experiment_id, run_name=f"retrain-digits {day}") as run,
+    ):
         mlflow.set_tags({"prefect.flow_run_id": str(flow_run.get_id()), "ds": day})
         trained = train_digits(
             ddp_train.train_on_partition,

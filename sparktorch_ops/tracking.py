@@ -35,6 +35,7 @@ from sparktorch_ops.errors import ConfigError
 TRACKING_ENV_PREFIXES = ("MLFLOW_TRACKING_", "DATABRICKS_")
 _PARAM_VALUE_LIMIT = 6000  # MLflow's limit on a param value
 _BATCH_LIMIT = 1000  # MLflow's limit on metrics per log_batch
+_PARAMS_PER_BATCH = 100  # and on params
 _FLUSH_S = 0.5
 
 
@@ -146,12 +147,27 @@ class MlflowTracker:
         all_tags = dict(tags)
         if self.parent_run_id is not None:
             all_tags["mlflow.parentRunId"] = self.parent_run_id
-        run = self.client.create_run(self.experiment_id, tags=all_tags, run_name=run_name)
+        from mlflow.entities import Param
+
+        try:
+            run = self.client.create_run(self.experiment_id, tags=all_tags, run_name=run_name)
+        except Exception as exc:
+            raise ConfigError(
+                "mlflow_experiment", f"MLflow could not create the run: {_first_line(exc)}"
+            ) from exc
         self.run_id = run.info.run_id
         self.url = run_url(self.tracking_uri, self.experiment_id, self.run_id)
         self._started = time.monotonic()
-        for key, value in params.items():
-            self.client.log_param(self.run_id, key, value)
+        try:
+            items = [Param(k, v) for k, v in params.items()]
+            for start in range(0, len(items), _PARAMS_PER_BATCH):
+                self.client.log_batch(self.run_id, params=items[start : start + _PARAMS_PER_BATCH])
+        except Exception as exc:
+            # Nothing of the training started: end the MLflow run instead of leaving it RUNNING.
+            self._call(self.client.set_terminated, self.run_id, status="FAILED")
+            raise ConfigError(
+                "mlflow_experiment", f"MLflow refused the run's params: {_first_line(exc)}"
+            ) from exc
         self._thread = threading.Thread(
             target=self._send, name=f"mlflow-{self.run_id[:8]}", daemon=True
         )

@@ -111,12 +111,18 @@ def resolve_tracking_uri(value: str | None) -> str | None:
     """
     if value is None or ":" in value or "/" in value:
         return value
+    return str(load_block(MlflowServer, value, "mlflow_tracking_uri").tracking_uri)
+
+
+def load_block(kind: type[Block], name: str, argument: str) -> Any:
+    """The saved block of type ``kind`` named ``name``.
+
+    Raises:
+        ConfigError: no such block (naming ``argument``).
+    """
     from sparktorch_ops.errors import ConfigError
 
     try:
-        block: Any = MlflowServer.load(value)
+        return kind.load(name)
     except ValueError as exc:
-        raise ConfigError(
-            "mlflow_tracking_uri", f"is neither a URI nor a saved MlflowServer block: {exc}"
-        ) from None
-    return str(block.tracking_uri)
+        raise ConfigError(argument, f"no {kind.__name__} block named {name!r}: {exc}") from None

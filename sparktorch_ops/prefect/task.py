@@ -36,7 +36,7 @@ from sparktorch_ops.prefect.artifacts import (
     describe_error,
     key_from_name,
 )
-from sparktorch_ops.prefect.blocks import SparkCluster, resolve_tracking_uri
+from sparktorch_ops.prefect.blocks import SparkCluster, load_block, resolve_tracking_uri
 from sparktorch_ops.prefect.results import (
     TASK_RUN_RESULT_KEY,
     default_checkpoint_dir,
@@ -61,13 +61,7 @@ def _spark_settings(
             "spark_master", "give either spark_master or cluster (a SparkCluster block), not both"
         )
     if isinstance(cluster, str):
-        try:
-            loaded: Any = SparkCluster.load(cluster)
-        except ValueError as exc:
-            raise ConfigError(
-                "cluster", f"no SparkCluster block named {cluster!r}: {exc}"
-            ) from None
-        cluster = loaded
+        cluster = load_block(SparkCluster, cluster, "cluster")
     if not isinstance(cluster, SparkCluster):
         raise ConfigError("cluster", f"must be a SparkCluster block or its name, got {cluster!r}")
     return cluster.settings(SparkSettings(conf=conf or {}).conf)  # type: ignore[arg-type]

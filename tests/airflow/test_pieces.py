@@ -193,17 +193,44 @@ def test_provider_info_matches_airflow_schema() -> None:
 
 
 def test_operator_declares_templates_and_link() -> None:
-    from sparktorch_ops.airflow import SparkUILink, TorchDistributorOperator
+    from sparktorch_ops.airflow import MlflowRunLink, SparkUILink, TorchDistributorOperator
 
     def fn() -> None:
         """Unused."""
 
     with_fn = TorchDistributorOperator(task_id="a", train=fn)
     with_path = TorchDistributorOperator(task_id="b", train=Path("/x/train.py"))
-    common = {"train_args", "train_kwargs", "num_processes", "spark_conf", "env"}
+    common = {
+        "train_args",
+        "train_kwargs",
+        "num_processes",
+        "spark_conf",
+        "env",
+        "checkpoint_dir",
+        "warm_start_from",
+        "mlflow_experiment",
+        "mlflow_tracking_uri",
+    }
     assert common <= set(with_fn.template_fields)
     # A callable template field would be called by Airflow's templating: only paths render.
     assert "train" not in with_fn.template_fields
     assert "train" in with_path.template_fields
     assert with_path.train == "/x/train.py"
-    assert [type(link) for link in with_fn.operator_extra_links] == [SparkUILink]
+    assert [type(link) for link in with_fn.operator_extra_links] == [SparkUILink, MlflowRunLink]
+
+
+def test_mlflow_tracking_uri_from_a_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+    import logging
+
+    from sparktorch_ops.airflow.connection import mlflow_uri_from_connection
+
+    log = logging.getLogger("test")
+    monkeypatch.setenv("AIRFLOW_CONN_MLFLOW_HTTP", "http://mlflow-host:5000")
+    assert mlflow_uri_from_connection("mlflow_http", log) == "http://mlflow-host:5000"
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_MLFLOW_EXTRA",
+        json.dumps({"conn_type": "generic", "extra": {"tracking_uri": "databricks"}}),
+    )
+    assert mlflow_uri_from_connection("mlflow_extra", log) == "databricks"
+    assert mlflow_uri_from_connection("no_such_mlflow_connection", log) is None

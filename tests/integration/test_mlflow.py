@@ -96,8 +96,8 @@ def sqlite_store(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(autouse=True)
 def _clean_mlflow_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No tracking settings leak into or out of a test (mlflow.set_tracking_uri exports
-    ``MLFLOW_TRACKING_URI``; monkeypatch restores the environment after the test)."""
+    """No tracking settings leak into or out of a test: mlflow.set_tracking_uri exports
+    ``MLFLOW_TRACKING_URI``, so the teardown unsets it again and ends leftover active runs."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
     yield

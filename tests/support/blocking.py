@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 # The optional integrations: the unit tier runs without any of them.
-INTEGRATIONS = ("pyspark", "py4j", "airflow", "prefect")
+INTEGRATIONS = ("pyspark", "py4j", "airflow", "prefect", "mlflow")
 # Everything the core must import without (torch too: report() runs anywhere).
 FRAMEWORKS = (*INTEGRATIONS, "torch", "lightning", "deepspeed")
 

@@ -1,4 +1,5 @@
-"""The unit tier runs, and passes, with pyspark, py4j, Airflow and Prefect impossible to import.
+"""The unit tier runs, and passes, with pyspark, py4j, Airflow, Prefect and MLflow impossible
+to import.
 
 The tier runs in a subprocess whose ``sitecustomize`` blocks those packages, for the pytest
 process and every Python it starts. This test is left out of that inner run.

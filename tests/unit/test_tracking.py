@@ -21,23 +21,16 @@ def test_ranks_never_get_tracking_credentials() -> None:
         "PATH": "/bin",
     }
     assert strip_tracking_env(driver) == {"MLFLOW_EXPERIMENT_NAME_X": "kept", "PATH": "/bin"}
-    env = agent_env(
-        driver,
-        {},
-        run_id="r",
-        channel="127.0.0.1:1",
-        fingerprint=None,
-        secret_path="/s",
-        payload_path="/p",
-        host="h",
-        omp_threads=None,
-        cuda_visible_devices=None,
-    )
-    assert not any(key.startswith(("MLFLOW_TRACKING_", "DATABRICKS_")) for key in env)
+    assert not any(key.startswith(("MLFLOW_TRACKING_", "DATABRICKS_")) for key in _env(driver))
     # Only an explicit env= may hand a rank a tracking URI.
-    explicit = agent_env(
-        driver,
-        {"MLFLOW_TRACKING_URI": "file:///x"},
+    explicit = _env(driver, {"MLFLOW_TRACKING_URI": "file:///x"})
+    assert explicit["MLFLOW_TRACKING_URI"] == "file:///x"
+
+
+def _env(base: dict[str, str], user: dict[str, str] | None = None) -> dict[str, str]:
+    return agent_env(
+        base,
+        user or {},
         run_id="r",
         channel="127.0.0.1:1",
         fingerprint=None,
@@ -47,7 +40,6 @@ def test_ranks_never_get_tracking_credentials() -> None:
         omp_threads=None,
         cuda_visible_devices=None,
     )
-    assert explicit["MLFLOW_TRACKING_URI"] == "file:///x"
 
 
 def test_params_are_strings_and_objects_are_named_not_dumped() -> None:
