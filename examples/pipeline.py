@@ -134,18 +134,18 @@ def using_tracking_uri(state: str) -> Iterator[str]:
     (``mlflow.set_tracking_uri`` also writes ``MLFLOW_TRACKING_URI`` into the environment)."""
     import mlflow
 
-    saved_env = os.environ.get("MLFLOW_TRACKING_URI")
-    saved = mlflow.get_tracking_uri()
+    # set_tracking_uri exports the URI too, so the environment tells whether one was set.
+    saved = os.environ.get("MLFLOW_TRACKING_URI")
     uri = tracking_uri(state)
     mlflow.set_tracking_uri(uri)
     try:
         yield uri
     finally:
-        mlflow.set_tracking_uri(saved)
-        if saved_env is None:
+        mlflow.set_tracking_uri(saved)  # None unsets it: MLFLOW_TRACKING_URI rules again
+        if saved is None:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
         else:
-            os.environ["MLFLOW_TRACKING_URI"] = saved_env
+            os.environ["MLFLOW_TRACKING_URI"] = saved
 
 
 def ensure_experiment(state: str) -> str:
@@ -217,17 +217,27 @@ def publish(
         client.log_metric(run_id, f"test_{key}", value)
     model = DigitsCNN()
     model.load_state_dict(state_dict)
-    with using_tracking_uri(state), mlflow.start_run(run_id=run_id):
-        info = mlflow.pytorch.log_model(
-            model,
-            name="model",
-            registered_model_name=MODEL_NAME,
-            # An eager module, its class shipped with it (loadable without this repo).
-            serialization_format="pickle",
-            code_paths=[str(Path(__file__).with_name("ddp_train.py"))],
-            input_example=np.zeros((1, 1, 8, 8), dtype="float32"),
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
-        )
+    # start_run(run_id=...) refuses a run outside the experiment the process set active
+    # (mlflow.set_experiment): make it the run's own for this block, then put it back.
+    from mlflow.tracking import fluent
+
+    experiment_id = client.get_run(run_id).info.experiment_id
+    active_experiment = fluent._active_experiment_id
+    fluent._active_experiment_id = experiment_id
+    try:
+        with using_tracking_uri(state), mlflow.start_run(run_id=run_id):
+            info = mlflow.pytorch.log_model(
+                model,
+                name="model",
+                registered_model_name=MODEL_NAME,
+                # An eager module, its class shipped with it (loadable without this repo).
+                serialization_format="pickle",
+                code_paths=[str(Path(__file__).with_name("ddp_train.py"))],
+                input_example=np.zeros((1, 1, 8, 8), dtype="float32"),
+                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+            )
+    finally:
+        fluent._active_experiment_id = active_experiment
     version = str(info.registered_model_version)
     promoted = previous is None or metrics["accuracy"] > (previous["accuracy"] or 0.0)
     if promoted:

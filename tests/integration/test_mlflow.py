@@ -100,6 +100,7 @@ def _clean_mlflow_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     ``MLFLOW_TRACKING_URI``, so the teardown unsets it again and ends leftover active runs."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    mlflow.set_tracking_uri(None)  # nor one set by an earlier test in this process
     yield
     while mlflow.active_run() is not None:
         mlflow.end_run()
