@@ -29,7 +29,16 @@ RESULTS_DIR = BENCH_DIR / "results"
 PAGE = BENCH_DIR / "README.md"
 TOP_README = BENCH_DIR.parent / "README.md"
 GPU_RESULT = Path("gpu") / "gpu_bench.json"  # under RESULTS_DIR; written by gpu_check.sh
-ORDER = ("launch", "logs", "result", "memory", "throughput", "dataframe_input", "checkpoint")
+ORDER = (
+    "launch",
+    "logs",
+    "result",
+    "memory",
+    "throughput",
+    "dataframe_input",
+    "checkpoint",
+    "connect_launch",
+)
 SUMMARY_START = "<!-- bench-summary:start -->"
 SUMMARY_END = "<!-- bench-summary:end -->"
 GENERATED = (
@@ -49,6 +58,7 @@ def commands(repeats: int, memory_runs: int) -> dict[str, list[str]]:
         "throughput": [py, str(BENCH_DIR / "throughput.py"), f"--repeats={repeats}"],
         "dataframe_input": [py, str(BENCH_DIR / "dataframe_input.py"), "--repeats=1"],
         "checkpoint": [py, str(BENCH_DIR / "checkpoint.py"), f"--repeats={repeats}"],
+        "connect_launch": [py, str(BENCH_DIR / "connect_launch.py"), f"--repeats={repeats}"],
     }
 
 
@@ -572,6 +582,38 @@ def render_checkpoint(doc: dict[str, Any]) -> str:
     return "\n\n".join(out) + _notes(doc.get("notes"))
 
 
+def render_connect_launch(doc: dict[str, Any]) -> str:
+    rows = []
+    for name, s in doc["variants"].items():
+        errors = s.get("errors") or []
+        if not s.get("runs") and errors:
+            seconds = f"failed: {errors[0].splitlines()[0][:80]}"
+        else:
+            seconds = _num(s.get("median_s"))
+        rows.append(
+            [
+                f"`{name}`",
+                seconds,
+                _range(s),
+                _num(s.get("ratio_vs_ours_classic"), suffix="x"),
+                str(sum(1 for n in s.get("new_python_workers", []) if n)),
+                f"{s.get('runs')}{_errors(s) if s.get('runs') else ''}",
+            ]
+        )
+    ratio_rows = [[name, _num(value, suffix="x")] for name, value in doc.get("ratios", {}).items()]
+    out = [
+        f"Trivial 2-rank all-reduce in barrier mode on `{doc.get('master', 'local[2]')}`, from the "
+        f"call to its return, from a classic session and from a Spark Connect session (to a "
+        f"Connect server on `{doc.get('master', 'local[2]')}`); median of {doc.get('repeats')} "
+        f"(after {doc.get('warmup', 0)} warm-up round).",
+        _table(
+            ["variant", "seconds", "min-max s", "vs ours classic", "fresh workers", "runs"], rows
+        ),
+        _table(["ratio of medians", "x"], ratio_rows),
+    ]
+    return "\n\n".join(out) + _notes(doc.get("notes"))
+
+
 RENDERERS = {
     "launch": render_launch,
     "logs": render_logs,
@@ -580,6 +622,7 @@ RENDERERS = {
     "throughput": render_throughput,
     "dataframe_input": render_dataframe_input,
     "checkpoint": render_checkpoint,
+    "connect_launch": render_connect_launch,
 }
 TITLES = {
     "launch": "Launch",
@@ -589,6 +632,7 @@ TITLES = {
     "throughput": "Throughput",
     "dataframe_input": "DataFrame input",
     "checkpoint": "Checkpoint",
+    "connect_launch": "Launch over Spark Connect",
 }
 
 

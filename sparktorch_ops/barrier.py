@@ -10,6 +10,7 @@ driver closes the channel (cancel, timeout, a failed rank elsewhere, or a dead d
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shutil
 import tempfile
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from sparktorch_ops import channel, netif
@@ -43,8 +45,12 @@ from sparktorch_ops.messages import (
 from sparktorch_ops.payload import Payload, write_rank_payload
 from sparktorch_ops.planning import RUN_ID_ENV, RunPlan
 from sparktorch_ops.process import AgentProcess, marked_processes, terminate_processes
+from sparktorch_ops.relay import Relay, RelayedFrame
 
 _STORE_HOLD_S = 60.0
+#: How long a task that coordinates in the stage tries to reach the driver's channel before
+#: it relays its ranks' frames instead.
+REACH_TIMEOUT_S = 5.0
 RETRIED_STAGE = "Spark retried the barrier stage after a failure; sparktorch_ops refuses retries"
 
 
@@ -56,6 +62,39 @@ def _host_rendezvous_store(host: str) -> tuple[Any, int]:
     return store, int(store.port)
 
 
+class StopSignal:
+    """The tasks' own way to stop each other's agents when the driver may not hear of a
+    failure until the stage ends (coordinating in the stage): a key in the rendezvous store
+    that task 0 hosts. A task whose agent failed sets it; every task polls it."""
+
+    def __init__(self, store: Any, host: str, port: int, run_id: str) -> None:
+        if store is None:  # not task 0: a client of task 0's store
+            from torch.distributed import TCPStore
+
+            store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        self._store = store
+        self._key = f"sparktorch_ops/{run_id}/stop"
+        self._next_check = 0.0
+
+    def set(self, node: int) -> None:
+        """Tell every task to stop its agent (best effort: the store may be gone)."""
+        try:
+            self._store.set(self._key, str(node))
+        except Exception:
+            pass
+
+    def is_set(self) -> bool:
+        """Whether some task said stop (asked of the store at most twice a second)."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return False
+        self._next_check = now + 0.5
+        try:
+            return bool(self._store.check([self._key]))
+        except Exception:
+            return False
+
+
 @dataclass(frozen=True)
 class TaskReport:
     """What one barrier task hands back to the driver through ``collect()``.
@@ -65,12 +104,15 @@ class TaskReport:
         host: the task's host.
         exit_code: its agent's exit code (None when the agent never ran or was stopped).
         error: why the task could not run its agent, if so.
+        unreachable: why the task could not reach the driver's channel, when it relayed its
+            ranks' frames with its result instead (:mod:`sparktorch_ops.relay`).
     """
 
     node: int
     host: str
     exit_code: int | None
     error: str | None = None
+    unreachable: str | None = None
 
 
 @dataclass(frozen=True)
@@ -81,15 +123,24 @@ class BarrierTask:
     encryption is on) and the ranks through a private file, never an environment variable.
     With DataFrame input (``data_schema``: the Spark schema as JSON) the task's input is its
     partition as Arrow record batches: it writes one shard per rank, reports their sizes and
-    learns the rows per epoch from the driver before the agent starts.
+    learns the rows per epoch before the agent starts.
+
+    The tasks of a classic session learn the rendezvous port and the data layout from the
+    driver, which holds the store until it has heard every agent exit. With
+    ``coordinate_in_stage`` (Spark Connect, whose client the executors may not reach) they
+    agree on both among themselves (one ``allGather``) and wait for each other at a final
+    ``barrier()``; a task that cannot reach the driver's channel within
+    :data:`REACH_TIMEOUT_S` serves its ranks with a :class:`~sparktorch_ops.relay.Relay` and
+    yields the recorded frames after its report.
     """
 
     plan: RunPlan
     secret: str = field(repr=False)
     payload: Payload = field(repr=False)
     data_schema: str | None = None
+    coordinate_in_stage: bool = False
 
-    def __call__(self, partition: Iterable[Any]) -> Iterator[TaskReport]:
+    def __call__(self, partition: Iterable[Any]) -> Iterator[TaskReport | RelayedFrame]:
         from pyspark import BarrierTaskContext
 
         ctx = BarrierTaskContext.get()
@@ -97,6 +148,42 @@ class BarrierTask:
         if ctx.attemptNumber() > 0:
             yield TaskReport(node, "", None, RETRIED_STAGE)
             return
+        workdir = tempfile.mkdtemp(prefix=f"{self.plan.run_id}-node{node}-")
+        try:
+            report, relay = self._run_node(ctx, node, partition, workdir)
+            yield report
+            if relay is not None:
+                yield from relay.frames()
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def _connect(
+        self, hello: Hello, workdir: str
+    ) -> tuple[channel.ChannelClient, Relay | None, str | None]:
+        """The node's connection: to the driver, else (when coordinating in the stage) to a
+        relay of its own, with the reason the driver was out of reach."""
+        plan = self.plan
+        if not self.coordinate_in_stage:
+            client = channel.ChannelClient.connect(
+                plan.channel_address, self.secret, hello, fingerprint=plan.channel_fingerprint
+            )
+            return client, None, None
+        try:
+            client = channel.ChannelClient.connect(
+                plan.channel_address,
+                self.secret,
+                hello,
+                timeout=REACH_TIMEOUT_S,
+                fingerprint=plan.channel_fingerprint,
+            )
+            return client, None, None
+        except channel.ChannelError as exc:
+            relay = Relay(self.secret, os.path.join(workdir, "relay.frames"))
+            return channel.ChannelClient.connect(relay.address, self.secret, hello), relay, str(exc)
+
+    def _run_node(
+        self, ctx: Any, node: int, partition: Iterable[Any], workdir: str
+    ) -> tuple[TaskReport, Relay | None]:
         hosts = [channel.split_address(info.address)[0] for info in ctx.getTaskInfos()]
         node_plan = self.plan.nodes[node]
         gpus = (
@@ -104,58 +191,104 @@ class BarrierTask:
             if node_plan.cuda_visible_devices is not None
             else None
         )
-        client = channel.ChannelClient.connect(
-            self.plan.channel_address,
-            self.secret,
-            Hello(role="node", node=node, host=hosts[node], attempt=0, pid=os.getpid()),
-            fingerprint=self.plan.channel_fingerprint,
-        )
-        workdir = tempfile.mkdtemp(prefix=f"{self.plan.run_id}-node{node}-")
+        hello = Hello(role="node", node=node, host=hosts[node], attempt=0, pid=os.getpid())
+        client, relay, unreachable = self._connect(hello, workdir)
         store = None
         try:
             data_env: dict[str, str] = {}
+            shard_rows: list[int] | None = None
             if self.data_schema is not None:
                 shards = _write_shards(partition, workdir, len(node_plan.ranks))
-                client.send_message(ShardSizes(rows=[shard.rows for shard in shards]))
+                shard_rows = [shard.rows for shard in shards]
+                client.send_message(ShardSizes(rows=shard_rows))
                 data_env = shard_env(workdir, self.data_schema, shards)
             # The port goes through the driver, which every task already talks to: Spark's
-            # allGather() would cost about a second.
+            # allGather() would cost about a second (paid only when coordinating in the stage).
+            port_message: RendezvousPort | None = None
             if node == 0:
                 try:
                     store, port = _host_rendezvous_store(hosts[0])
+                    port_message = RendezvousPort(port=port)
                 except Exception as exc:
                     error = f"cannot host the rendezvous store on {hosts[0]}: {exc}"
-                    client.send_message(RendezvousPort(error=error))
-                    yield TaskReport(node, hosts[node], None, error)
-                    return
-                client.send_message(RendezvousPort(port=port))
-            wanted = {RDZV} if node != 0 else set()
-            if self.data_schema is not None:
-                wanted.add(DATA)
-            while wanted:
-                kind, payload = client.recv_frame()
-                if kind == RDZV:
-                    port_message = RendezvousPort.decode(payload)
-                    if port_message.port is None:
-                        raise channel.ChannelError(f"no rendezvous store: {port_message.error}")
-                    port = port_message.port
-                elif kind == DATA:
-                    layout = DataLayout.decode(payload)
-                    if layout.epoch_rows is None:
-                        raise channel.ChannelError(f"no data layout: {layout.error}")
-                    data_env[EPOCH_ROWS_ENV] = str(layout.epoch_rows)
-                else:
-                    raise channel.ChannelError(f"expected the run's layout, got frame {kind}")
-                wanted.discard(kind)
+                    port_message = RendezvousPort(error=error)
+                client.send_message(port_message)
+                if port_message.error is not None and not self.coordinate_in_stage:
+                    return TaskReport(node, hosts[node], None, port_message.error), relay
+            if self.coordinate_in_stage:
+                port, epoch_rows = self._agree(ctx, port_message, shard_rows)
+            else:
+                port, epoch_rows = self._from_driver(client, port_message)
+            if epoch_rows is not None:
+                data_env[EPOCH_ROWS_ENV] = str(epoch_rows)
             endpoint = channel.join_address(hosts[0], port)
-            code = self._run_agent(client, node, hosts[node], endpoint, gpus, workdir, data_env)
-            yield TaskReport(node, hosts[node], code)
+            stop = None
+            if self.coordinate_in_stage:
+                stop = StopSignal(store, hosts[0], port, self.plan.run_id)
+            code = self._run_agent(
+                client, node, hosts[node], endpoint, gpus, workdir, data_env, relay, stop
+            )
+            if stop is not None:
+                if code != 0:
+                    stop.set(node)
+                # Task 0's process hosts the rendezvous store: every task waits here until
+                # every agent is done with it.
+                ctx.barrier()
+            return TaskReport(node, hosts[node], code, unreachable=unreachable), relay
         except channel.ChannelError as exc:  # the driver stopped the run before it started
-            yield TaskReport(node, hosts[node], None, str(exc))
+            return TaskReport(node, hosts[node], None, str(exc), unreachable), relay
         finally:
             client.close()
             del store
-            shutil.rmtree(workdir, ignore_errors=True)
+            if relay is not None:
+                relay.close()
+
+    def _from_driver(
+        self, client: channel.ChannelClient, own: RendezvousPort | None
+    ) -> tuple[int, int | None]:
+        """The rendezvous port (task 0 has its ``own``) and, with DataFrame input, the rows
+        per epoch, from the driver."""
+        wanted = {RDZV} if own is None else set()
+        if self.data_schema is not None:
+            wanted.add(DATA)
+        port, epoch_rows = (own.port or 0) if own is not None else 0, None
+        while wanted:
+            kind, payload = client.recv_frame()
+            if kind == RDZV:
+                port_message = RendezvousPort.decode(payload)
+                if port_message.port is None:
+                    raise channel.ChannelError(f"no rendezvous store: {port_message.error}")
+                port = port_message.port
+            elif kind == DATA:
+                layout = DataLayout.decode(payload)
+                if layout.epoch_rows is None:
+                    raise channel.ChannelError(f"no data layout: {layout.error}")
+                epoch_rows = layout.epoch_rows
+            else:
+                raise channel.ChannelError(f"expected the run's layout, got frame {kind}")
+            wanted.discard(kind)
+        return port, epoch_rows
+
+    def _agree(
+        self, ctx: Any, own: RendezvousPort | None, shard_rows: list[int] | None
+    ) -> tuple[int, int | None]:
+        """The rendezvous port and rows per epoch, agreed by the tasks themselves: one
+        ``allGather`` of task 0's port and every task's shard sizes."""
+        mine = {
+            "port": own.port if own is not None else None,
+            "error": own.error if own is not None else None,
+            "rows": shard_rows,
+        }
+        gathered = [json.loads(message) for message in ctx.allGather(json.dumps(mine))]
+        first = gathered[0]
+        if first["port"] is None:
+            raise channel.ChannelError(f"no rendezvous store: {first['error']}")
+        if self.data_schema is None:
+            return int(first["port"]), None
+        layout = DataLayout.for_shards({n: g["rows"] for n, g in enumerate(gathered)})
+        if layout.epoch_rows is None:
+            raise channel.ChannelError(f"no data layout: {layout.error}")
+        return int(first["port"]), layout.epoch_rows
 
     def _run_agent(
         self,
@@ -166,13 +299,15 @@ class BarrierTask:
         gpus: list[str] | None,
         workdir: str,
         data_env: dict[str, str],
+        relay: Relay | None,
+        stop: StopSignal | None,
     ) -> int | None:
         plan = self.plan
         agent_plan = plan.nodes[node].bind(
             os.environ,
             run_id=plan.run_id,
-            channel=plan.channel_address,
-            fingerprint=plan.channel_fingerprint,
+            channel=relay.address if relay is not None else plan.channel_address,
+            fingerprint=plan.channel_fingerprint if relay is None else None,
             payload_path=write_rank_payload(self.payload, workdir, in_place=False),
             secret_path=channel.write_secret_file(workdir, self.secret),
             launcher_pid=os.getpid(),
@@ -193,6 +328,8 @@ class BarrierTask:
         watcher = threading.Thread(target=client.wait_closed, daemon=True)
         watcher.start()
         while agent.poll() is None and watcher.is_alive():
+            if stop is not None and stop.is_set():
+                break
             time.sleep(0.1)
         if agent.poll() is None:
             agent.terminate(grace=3.0)
@@ -204,7 +341,7 @@ class BarrierTask:
             client.send_message(ExitReport(exit_code=code, time=time.time()))
         except channel.ChannelError:
             return code
-        if node == 0:
+        if node == 0 and not self.coordinate_in_stage:
             # This task's process hosts the rendezvous store: keep it until the driver has
             # heard from every agent (it then closes the channel), so no agent loses the
             # store while it is still shutting down.
@@ -233,27 +370,72 @@ def shard_env(workdir: str, schema_json: str, shards: list[ShardFile]) -> dict[s
     }
 
 
-def data_task_reports(task: BarrierTask) -> Callable[[Iterable[Any]], Iterator[Any]]:
-    """``task`` as a ``mapInArrow`` function: Arrow batches in, its reports out as batches."""
+def stage_rows(task: BarrierTask) -> Callable[[Iterable[Any]], Iterator[Any]]:
+    """``task`` as a ``mapInArrow`` function: Arrow batches in, rows of :data:`STAGE_DDL`
+    out: the task's report, then any relayed frames (a few MiB per batch)."""
 
     def run(batches: Iterable[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
-        for report in task(batches):
-            yield pa.RecordBatch.from_pylist([asdict(report)], schema=_report_schema())
+        schema = _stage_schema()
+        rows: list[dict[str, Any]] = []
+        size, node = 0, -1
+        for item in task(batches):
+            if isinstance(item, TaskReport):
+                node = item.node
+                rows.append(asdict(item))
+            else:
+                frame = {"peer": item.peer, "kind": item.kind, "frame": item.payload}
+                rows.append({"node": node, "time": item.time, **frame})
+                size += len(item.payload)
+            if size >= _BATCH_BYTES or len(rows) >= _BATCH_ROWS:
+                yield pa.RecordBatch.from_pylist(rows, schema=schema)
+                rows, size = [], 0
+        if rows:
+            yield pa.RecordBatch.from_pylist(rows, schema=schema)
 
     return run
 
 
-def _report_schema() -> Any:
-    """The Arrow schema of a :class:`TaskReport` row (:data:`REPORT_DDL`)."""
+_BATCH_BYTES = 4 << 20
+_BATCH_ROWS = 1024
+
+
+def _stage_schema() -> Any:
+    """The Arrow schema of the stage's rows (:data:`STAGE_DDL`)."""
     import pyarrow as pa
 
-    fields = [("node", pa.int32()), ("host", pa.string())]
-    return pa.schema([*fields, ("exit_code", pa.int32()), ("error", pa.string())])
+    return pa.schema(
+        [
+            ("node", pa.int32()),
+            ("host", pa.string()),
+            ("exit_code", pa.int32()),
+            ("error", pa.string()),
+            ("unreachable", pa.string()),
+            ("peer", pa.int32()),
+            ("kind", pa.int32()),
+            ("frame", pa.binary()),
+            ("time", pa.float64()),
+        ]
+    )
 
 
-REPORT_DDL = "node int, host string, exit_code int, error string"
+#: A task's report (``peer`` null) or one frame it relayed (``host``, ``exit_code``... null).
+STAGE_DDL = (
+    "node int, host string, exit_code int, error string, unreachable string, "
+    "peer int, kind int, frame binary, time double"
+)
+
+
+def stage_row_item(row: dict[str, Any]) -> tuple[int, TaskReport | RelayedFrame]:
+    """One row of the stage (:data:`STAGE_DDL`) as its task's node and what it holds: the
+    task's report, or a frame it relayed."""
+    if row["peer"] is None:
+        report = TaskReport(
+            row["node"], row["host"], row["exit_code"], row["error"], row["unreachable"]
+        )
+        return row["node"], report
+    return row["node"], RelayedFrame(row["peer"], row["kind"], row["frame"], row["time"])
 
 
 def _forward(client: channel.ChannelClient, kind: int) -> Any:

@@ -192,6 +192,8 @@ class ChannelServer:
         logger: where dropped clients are reported.
         secret: the run's secret, which clients prove they hold (never sent).
         tls: a server context: every connection is TLS (None: plain TCP).
+        advertise: the host clients are told to connect to, when it is not ``host`` (the
+            server then binds ``host``, e.g. every interface, behind NAT or in a container).
     """
 
     def __init__(
@@ -201,6 +203,7 @@ class ChannelServer:
         logger: Any,
         secret: str,
         tls: ssl.SSLContext | None = None,
+        advertise: str | None = None,
     ) -> None:
         self._handler = handler
         self._log = logger
@@ -209,7 +212,7 @@ class ChannelServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, 0), family=family, backlog=128)
         self._listener.setblocking(False)
-        self.address = join_address(host, self._listener.getsockname()[1])
+        self.address = join_address(advertise or host, self._listener.getsockname()[1])
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._wake_r, self._wake_w = socket.socketpair()

@@ -45,7 +45,16 @@ def _parser() -> argparse.ArgumentParser:
         help="run one rank per Spark barrier task",
     )
     run.add_argument("--use-gpu", action="store_true", help="give each rank a GPU")
-    run.add_argument("--master", help="Spark master URL (implies --no-local-mode unless given)")
+    run.add_argument(
+        "--master",
+        help="Spark master URL, or sc://HOST:PORT for Spark Connect (implies --no-local-mode "
+        "unless given)",
+    )
+    run.add_argument(
+        "--channel-host",
+        default=None,
+        help="the address barrier tasks reach this machine at for logs and the result",
+    )
     run.add_argument(
         "--conf",
         action="append",
@@ -115,6 +124,7 @@ def _job(args: argparse.Namespace, logger: logging.Logger, token: CancelToken) -
         warm_start_from=args.warm_start_from,
         timeout=args.timeout,
         start_timeout=args.start_timeout,
+        channel_host=args.channel_host,
         logger=logger,
         cancel_token=token,
     )

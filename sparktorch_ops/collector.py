@@ -346,14 +346,7 @@ class RunCollector(channel.ChannelHandler):
                 return
             shards = dict(self._shards)
             peers = list(self._node_peers.values())
-        empty = [f"task {n}" for n, rows in sorted(shards.items()) if min(rows) == 0]
-        if empty:
-            layout = DataLayout(
-                error=f"{', '.join(empty)} got no rows for some rank: the DataFrame has fewer "
-                "rows than ranks, or its partitions are too skewed to share out"
-            )
-        else:
-            layout = DataLayout(epoch_rows=max(max(rows) for rows in shards.values()))
+        layout = DataLayout.for_shards(shards)
         for node_peer in peers:
             node_peer.reply(DATA, layout.encode())
         if layout.error is not None:

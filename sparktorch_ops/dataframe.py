@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.spark import sql_functions
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -150,13 +151,13 @@ def inspect_input(dataframe: DataFrame) -> InputFacts:
         ConfigError: a column that cannot become a tensor, an empty DataFrame, arrays of
             different lengths in one column; each names the column and what to do.
     """
-    from pyspark.sql import functions as F
     from pyspark.sql.pandas.types import to_arrow_schema
     from pyspark.sql.types import ArrayType
 
     from sparktorch_ops import data
 
     check_dataframe(dataframe)
+    F = sql_functions(dataframe)
     schema = dataframe.schema
     try:
         arrow_schema = to_arrow_schema(schema)
@@ -235,8 +236,7 @@ class PreparedInput:
         An input that reads differently the second time (a nondeterministic query) gets
         uneven shards, never lost rows; the ranks still see equal batch counts.
         """
-        from pyspark.sql import functions as F
-
+        F = sql_functions(self.dataframe)
         facts = self.facts
         if not facts.partition_rows:
             return self.dataframe.repartition(tasks)

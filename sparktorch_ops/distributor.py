@@ -28,6 +28,7 @@ from sparktorch_ops import checkpoint, errors, events
 from sparktorch_ops import spark as spark_support
 from sparktorch_ops.channel import ChannelServer
 from sparktorch_ops.collector import RunCollector
+from sparktorch_ops.connect import START_DEADLINE_S, ConnectBarrierLauncher, known_slots
 from sparktorch_ops.dataframe import DataInput, PreparedInput, check_dataframe, prepare_input
 from sparktorch_ops.events import RunState, RunStateMachine
 from sparktorch_ops.job import CancelToken, TrainingJob
@@ -38,6 +39,7 @@ from sparktorch_ops.planning import (
     RunFacts,
     RunPlan,
     barrier_layout,
+    check_slots,
     plan_run,
     select_local_gpus,
 )
@@ -167,6 +169,8 @@ class TorchDistributor:
             nested under the caller's active MLflow run); ranks never talk to MLflow.
         mlflow_tracking_uri: the tracking URI (default ``MLFLOW_TRACKING_URI``).
         mlflow_all_ranks: log every rank's records (keys suffixed ``/rank<N>``).
+        channel_host: the address barrier tasks reach this process at for logs, metrics and
+            the result, when the default is wrong (NAT, containers); see :class:`LaunchSpec`.
     """
 
     def __init__(
@@ -193,6 +197,7 @@ class TorchDistributor:
         mlflow_experiment: str | None = None,
         mlflow_tracking_uri: str | None = None,
         mlflow_all_ranks: bool = False,
+        channel_host: str | None = None,
     ) -> None:
         self.spec = LaunchSpec(
             num_processes=num_processes,
@@ -215,9 +220,8 @@ class TorchDistributor:
             mlflow_experiment=mlflow_experiment,
             mlflow_tracking_uri=mlflow_tracking_uri,
             mlflow_all_ranks=mlflow_all_ranks,
+            channel_host=channel_host,
         )
-        if spark is not None:
-            spark_support.refuse_connect(spark)
         self.spark = spark
         self._tokens: list[CancelToken] = []
 
@@ -369,8 +373,8 @@ def plan_job(job: TrainingJob) -> RunPlan:
         # Spark's defaults otherwise.
         session = job.spark.session
         if session is not None:
-            task_cpus = spark_support.task_cpus(session.sparkContext)
-            gpu_amount = spark_support.task_gpu_amount(session.sparkContext)
+            task_cpus = spark_support.task_cpus(spark_support.conf_source(session))
+            gpu_amount = spark_support.task_gpu_amount(spark_support.conf_source(session))
         else:
             conf = dict(job.spark.conf)
             task_cpus = _conf_number(conf, "spark.task.cpus", int) or 1
@@ -525,17 +529,22 @@ class _Run:
             return self._launch(started_at, started, None, self._local_gpus())
         handle = spark_support.get_session(self.job.spark, self.log)
         try:
-            sc = handle.session.sparkContext
+            session = handle.session
+            sc = spark_support.conf_source(session)  # a Connect session stands in for a context
             machine.emit(
                 events.SESSION_READY,
-                app_id=sc.applicationId,
+                app_id=spark_support.app_id(sc),
                 ui_url=spark_support.ui_url(sc),
-                master=sc.master,
+                master=spark_support.master_of(sc),
                 created=handle.created,
+                connect=spark_support.is_connect_session(session),
             )
             self._check_cancelled()
-            self._preflight(sc)
-            data = self._prepare_data(handle.session)
+            if spark_support.is_connect_session(session):
+                self._preflight_connect(session)
+            else:
+                self._preflight(sc)
+            data = self._prepare_data(session)
             return self._launch(started_at, started, sc, None, data)
         finally:
             try:
@@ -601,6 +610,46 @@ class _Run:
         spark_support.probe_executors(sc, layout.num_tasks)
         self.machine.emit(events.EXECUTORS_CHECKED)
 
+    def _preflight_connect(self, session: Any) -> None:
+        """Barrier mode over Spark Connect: settings and layout, and the slots where the
+        server's master fixes them (a client cannot count a cluster's free slots; the start
+        deadline covers the rest)."""
+        spec = self.spec
+        spark_support.check_barrier_conf(session)
+        layout = barrier_layout(
+            spec.num_processes, spec.use_gpu, spark_support.task_gpu_amount(session)
+        )
+        slots = known_slots(session)
+        if slots is not None:
+            check_slots(layout.num_tasks, slots, waited=False)
+            self.machine.emit(events.SLOTS_READY, tasks=layout.num_tasks)
+
+    def _channel_host(self, sc: Any) -> tuple[str, str | None]:
+        """Where the channel listens and, if different, the host tasks are told to reach."""
+        if self.spec.channel_host is not None:
+            return ("::" if ":" in self.spec.channel_host else "0.0.0.0"), self.spec.channel_host
+        if sc is None:
+            return "127.0.0.1", None
+        if spark_support.is_connect_session(sc):
+            return spark_support.client_address_toward_server(sc), None
+        return spark_support.driver_host(sc), None
+
+    def _say_unreachable(self, address: str) -> Callable[[dict[int, str]], None]:
+        def say(reasons: dict[int, str]) -> None:
+            tasks = ", ".join(str(node) for node in sorted(reasons))
+            self.log.warning(
+                "sparktorch_ops: %s: barrier task(s) %s could not reach this client's channel "
+                "at %s (%s), so their ranks' output, metrics and result arrived with the "
+                "stage's result, not live. For live logs, pass channel_host= an address of "
+                "this machine that the executors can reach",
+                self.run_id,
+                tasks,
+                address,
+                next(iter(reasons.values())),
+            )
+
+        return say
+
     def _channel_certificate(self, sc: Any) -> ChannelCertificate | None:
         """A TLS certificate for the channel when Spark encrypts its own traffic (barrier
         mode; the local mode's channel never leaves loopback), unless the user opted out."""
@@ -629,7 +678,7 @@ class _Run:
             on_phase=lambda name, **where: self._on_phase(collector, name, **where),
             max_result_bytes=spec.max_result_bytes,
         )
-        host = "127.0.0.1" if sc is None else spark_support.driver_host(sc)
+        host, advertise = self._channel_host(sc)
         secret = secrets.token_hex(32)
         certificate = self._channel_certificate(sc)
         server = ChannelServer(
@@ -638,6 +687,7 @@ class _Run:
             self.log,
             secret,
             tls=certificate.server_context() if certificate is not None else None,
+            advertise=advertise,
         )
         machine.emit(events.CHANNEL_OPEN, address=server.address, tls=certificate is not None)
         launcher: Launcher | None = None
@@ -663,9 +713,21 @@ class _Run:
             else:
                 if data is not None:
                     collector.expect_shards(plan.layout.num_tasks)
-                launcher = BarrierLauncher(
-                    plan, payload, secret, sc, release=server.close, data=data
-                )
+                if spark_support.is_connect_session(sc):
+                    launcher = ConnectBarrierLauncher(
+                        plan,
+                        payload,
+                        secret,
+                        sc,
+                        release=server.close,
+                        handler=collector,
+                        on_unreachable=self._say_unreachable(server.address),
+                        data=data,
+                    )
+                else:
+                    launcher = BarrierLauncher(
+                        plan, payload, secret, sc, release=server.close, data=data
+                    )
             launcher.start()
             machine.emit(events.LAUNCHER_STARTED)
             self.log.info(
@@ -704,7 +766,7 @@ class _Run:
             finished_at=pendulum.now("UTC"),
             mode=spec.mode,
             num_processes=spec.num_processes,
-            app_id=sc.applicationId if sc is not None else None,
+            app_id=spark_support.app_id(sc) if sc is not None else None,
             ui_url=spark_support.ui_url(sc) if sc is not None else None,
             output_truncated=collector.output_truncated,
             run_id=self.run_id,
@@ -766,6 +828,9 @@ class _Run:
     ) -> tuple[int, str]:
         spec = self.spec
         released = False
+        start_deadline = spec.start_timeout
+        if start_deadline is None and isinstance(launcher, ConnectBarrierLauncher):
+            start_deadline = START_DEADLINE_S
         while True:
             self._check_cancelled()
             elapsed = time.monotonic() - started
@@ -774,13 +839,20 @@ class _Run:
             connected = collector.started_ranks()
             if (
                 connected < spec.num_processes
-                and spec.start_timeout is not None
-                and elapsed > spec.start_timeout
+                and start_deadline is not None
+                and elapsed > start_deadline
+                and not (isinstance(launcher, BarrierLauncher) and launcher.stage_started)
             ):
                 raise errors.StartTimeoutError(
                     "start_timeout",
-                    spec.start_timeout,
-                    f"only {connected} of {spec.num_processes} ranks started",
+                    start_deadline,
+                    f"only {connected} of {spec.num_processes} ranks started"
+                    + (
+                        " (over Spark Connect the free task slots cannot be counted "
+                        "beforehand: the cluster may lack them)"
+                        if isinstance(launcher, ConnectBarrierLauncher)
+                        else ""
+                    ),
                 )
             if collector.result_refused is not None:
                 raise collector.result_refused  # stop rank 0 sending the rest
@@ -834,6 +906,7 @@ class _Run:
         """A barrier task was lost: Spark's own error for the job says why (a task that raised,
         a full disk), or that the job was killed (raises SparkJobKilledError). Wait briefly for
         it; log it and make it the failure's reason."""
+        launcher.look_for_cause()
         deadline = time.monotonic() + _SPARK_CAUSE_S
         while launcher.poll() is None and time.monotonic() < deadline:
             self._check_cancelled()

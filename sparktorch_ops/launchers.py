@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from sparktorch_ops.barrier import REPORT_DDL, BarrierTask, TaskReport, data_task_reports
+from sparktorch_ops.barrier import STAGE_DDL, BarrierTask, TaskReport, stage_row_item, stage_rows
 from sparktorch_ops.channel import write_secret_file
 from sparktorch_ops.collector import RunCollector
 from sparktorch_ops.data import (
@@ -194,6 +194,14 @@ class BarrierLauncher:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def stage_started(self) -> bool:
+        """Whether Spark said the barrier tasks run (a classic run learns it from its ranks)."""
+        return False
+
+    def look_for_cause(self) -> None:
+        """Tasks were lost: find out why as soon as possible (Spark's error says it here)."""
+
     def start(self) -> None:
         """Submit the barrier job from a helper thread (``collect`` blocks until it ends)."""
         context = contextvars.copy_context()
@@ -203,24 +211,8 @@ class BarrierLauncher:
         self._thread.start()
 
     def _run_job(self) -> None:
-        sc, plan = self._sc, self._plan
         try:
-            sc.addJobTag(plan.run_id)
-            sc.setInterruptOnCancel(True)
-            sc.setLocalProperty(
-                "spark.job.description",
-                f"sparktorch_ops {plan.run_id}: {plan.num_processes} ranks",
-            )
-            num_tasks = plan.layout.num_tasks
-            if self._data is not None:
-                frame = self._data.laid_out(num_tasks)
-                rows = frame.mapInArrow(
-                    data_task_reports(self._task), REPORT_DDL, barrier=True
-                ).collect()
-                self._reports = [TaskReport(**row.asDict()) for row in rows]
-            else:
-                rdd = sc.parallelize(range(num_tasks), num_tasks).barrier()
-                self._reports = rdd.mapPartitions(self._task).collect()
+            self._reports = self._submit()
         except BaseException as exc:  # reported by poll()
             try:
                 message = _java_message(exc)
@@ -229,11 +221,36 @@ class BarrierLauncher:
             finally:
                 self._error = exc
         finally:
+            self._done.set()
+
+    def _submit(self) -> list[TaskReport]:
+        """Run the barrier stage to its end (tagged with the run id); the tasks' reports."""
+        sc, plan = self._sc, self._plan
+        sc.addJobTag(plan.run_id)
+        try:
+            sc.setInterruptOnCancel(True)
+            sc.setLocalProperty(
+                "spark.job.description",
+                f"sparktorch_ops {plan.run_id}: {plan.num_processes} ranks",
+            )
+            num_tasks = plan.layout.num_tasks
+            if self._data is not None:
+                frame = self._data.laid_out(num_tasks)
+                rows = frame.mapInArrow(stage_rows(self._task), STAGE_DDL, barrier=True).collect()
+                items = [stage_row_item(row.asDict())[1] for row in rows]
+                return [item for item in items if isinstance(item, TaskReport)]
+            rdd = sc.parallelize(range(num_tasks), num_tasks).barrier()
+            reported = rdd.mapPartitions(self._task).collect()
+            return [item for item in reported if isinstance(item, TaskReport)]
+        finally:
             try:
                 sc.removeJobTag(plan.run_id)
             except Exception:
                 pass
-            self._done.set()
+
+    def _cancel(self) -> None:
+        """Cancel the stage's job by the run's tag."""
+        self._sc.cancelJobsWithTag(self._plan.run_id)
 
     def release_rendezvous(self) -> None:
         """Every agent is done with the store: let task 0 drop it and the tasks end."""
@@ -273,7 +290,7 @@ class BarrierLauncher:
             return
         self._stopping = True  # the cancellation that follows is ours, not a kill
         try:
-            self._sc.cancelJobsWithTag(self._plan.run_id)
+            self._cancel()
         except Exception:  # the channel closing stops the tasks' agents all the same
             pass
         self._wait_stopped(5.0)
@@ -294,7 +311,7 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-_JOB_CANCELLED = re.compile(r"\[SPARK_JOB_CANCELLED\]|\bJob \d+ cancelled\b")
+_JOB_CANCELLED = re.compile(r"\[SPARK_JOB_CANCELLED\]|\bJob \d+ cancelled\b|\[OPERATION_CANCELED\]")
 _PYTHON_TRACEBACK = "Traceback (most recent call last):"
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -283,3 +284,15 @@ class DataLayout(Message):
             raise MessageError("DataLayout: exactly one of epoch_rows and error")
         if self.epoch_rows is not None and self.epoch_rows < 1:
             raise MessageError(f"DataLayout: bad epoch_rows {self.epoch_rows}")
+
+    @classmethod
+    def for_shards(cls, shards: Mapping[int, Sequence[int]]) -> DataLayout:
+        """The layout of every task's shard sizes (task -> rows per rank): the largest shard,
+        or an error naming the tasks where some rank got no rows."""
+        empty = [f"task {n}" for n, rows in sorted(shards.items()) if min(rows) == 0]
+        if empty:
+            return cls(
+                error=f"{', '.join(empty)} got no rows for some rank: the DataFrame has fewer "
+                "rows than ranks, or its partitions are too skewed to share out"
+            )
+        return cls(epoch_rows=max(max(rows) for rows in shards.values()))

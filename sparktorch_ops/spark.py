@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -20,7 +21,6 @@ from sparktorch_ops.planning import check_slots, registration_grace
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
-    from pyspark.sql import SparkSession
 
 _PYTHON_SETTING = "PYSPARK_PYTHON (or spark.pyspark.python)"
 # Executors that passed the probe, by (application id, executor ids): a new executor is probed.
@@ -32,7 +32,7 @@ DEFAULT_APP_NAME = "sparktorch-ops"
 
 MASTER_FORMS = (
     "local, local[N], local[*], local[N,F], local-cluster[N,C,M], spark://HOST:PORT, yarn, "
-    "k8s://HOST:PORT, mesos://HOST:PORT"
+    "k8s://HOST:PORT, mesos://HOST:PORT, sc://HOST:PORT (Spark Connect)"
 )
 _MASTER_PATTERNS = (
     ("local", re.compile(r"local(?:\[(?:\*|[1-9]\d*)(?:,\s*[1-9]\d*)?\])?")),
@@ -44,6 +44,8 @@ _MASTER_PATTERNS = (
     ("yarn", re.compile(r"yarn")),
     ("k8s", re.compile(r"k8s://(?:https?://)?[^\s/]+(?:/\S*)?")),
     ("mesos", re.compile(r"mesos://[^\s/]+(?:/\S*)?")),
+    # Spark Connect: sc://host[:port][/;param=value;...] (token, use_ssl, user_id, ...)
+    ("connect", re.compile(r"sc://[^\s/;]+(?:/?(?:;[^\s;=]+=[^\s;]*)*)")),
 )
 # Static SQL settings: fixed when the first session starts, like every non-SQL setting (the
 # master, the app name, driver/executor/scheduler settings). Other spark.sql.* settings are
@@ -65,7 +67,8 @@ class Master:
 
     Attributes:
         url: the URL as given (stripped).
-        kind: ``local``, ``local-cluster``, ``standalone``, ``yarn``, ``k8s`` or ``mesos``.
+        kind: ``local``, ``local-cluster``, ``standalone``, ``yarn``, ``k8s``, ``mesos`` or
+            ``connect`` (``sc://``).
         executors: how many executors the master itself fixes (``local-cluster[N,..]``).
     """
 
@@ -77,6 +80,11 @@ class Master:
     def in_process(self) -> bool:
         """Whether everything runs in the driver's JVM (``local``, ``local[4]``...)."""
         return self.kind == "local"
+
+    @property
+    def is_connect(self) -> bool:
+        """Whether this is a Spark Connect URL (``sc://``): a remote session, no JVM here."""
+        return self.kind == "connect"
 
 
 def parse_master(master: object, argument: str = "master") -> Master:
@@ -94,7 +102,9 @@ def parse_master(master: object, argument: str = "master") -> Master:
             executors = int(match.group(1)) if kind == "local-cluster" else None
             return Master(url, kind, executors)
     raise ConfigError(
-        argument, f"{master!r} is not a Spark master URL; expected one of: {MASTER_FORMS}"
+        argument,
+        f"{redact_connect_url(repr(master))} is not a Spark master URL; expected one of: "
+        f"{MASTER_FORMS}",
     )
 
 
@@ -165,14 +175,13 @@ class SparkSettings:
             if master is not None and conf_master != master:
                 raise ConfigError(
                     "spark_conf",
-                    f"spark.master={conf_master!r} contradicts the master {master!r} (from the "
+                    f"spark.master={redact_connect_url(repr(conf_master))} contradicts the "
+                    f"master {redact_connect_url(repr(master))} (from the "
                     "connection, block or spark_master argument); give the master in one place",
                 )
             master = conf_master
         if not isinstance(self.app_name, str) or not self.app_name.strip():
             raise ConfigError("app_name", f"must be a non-empty str, got {self.app_name!r}")
-        if self.session is not None:
-            refuse_connect(self.session)
         object.__setattr__(self, "master", master)
         object.__setattr__(self, "conf", conf)
 
@@ -206,26 +215,34 @@ def is_connect_session(spark: Any) -> bool:
     return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
-def refuse_connect(spark: Any) -> None:
-    """Raise ConfigError for a Spark Connect session."""
-    if is_connect_session(spark):
-        raise ConfigError(
-            "spark",
-            "Spark Connect sessions are not supported yet: barrier tasks need a classic "
-            "SparkSession with a SparkContext (start one with SparkSession.builder.master(...))",
-        )
+def active_session() -> Any:
+    """The active (or default) session, without starting one or importing pyspark.
 
-
-def active_session() -> SparkSession | None:
-    """The active (or default) classic session, without starting one or importing pyspark."""
+    A classic session wins over a Spark Connect one in the same process, unless pyspark is in
+    Connect mode (``SPARK_CONNECT_MODE_ENABLED``, ``SPARK_REMOTE``), as pyspark's own
+    ``getActiveSession`` decides. A Connect session is looked up only when the Connect client
+    is already imported, and never through a JVM.
+    """
     if sys.modules.get("pyspark") is None:
         return None
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
+    from pyspark.sql.utils import is_remote
 
+    connect = _active_connect_session()
+    if connect is not None and (SparkContext._active_spark_context is None or is_remote()):
+        return connect
     if SparkContext._active_spark_context is None:
         return None
     return SparkSession.getActiveSession() or SparkSession._instantiatedSession
+
+
+def _active_connect_session() -> Any:
+    module = sys.modules.get("pyspark.sql.connect.session")
+    if module is None:
+        return None
+    session = module.SparkSession.getActiveSession() or module.SparkSession._default_session
+    return None if session is None or session.is_stopped else session
 
 
 def get_session(settings: SparkSettings, log: Any = None) -> SessionHandle:
@@ -242,6 +259,9 @@ def get_session(settings: SparkSettings, log: Any = None) -> SessionHandle:
     log = log or logging.getLogger("sparktorch_ops")
     if settings.session is not None:
         return SessionHandle(settings.session, created=False)
+    if settings.master is not None and parse_master(settings.master).is_connect:
+        # A client may hold any number of Connect sessions: the one asked for, never another.
+        return _connect_session(settings, log)
     active = active_session()
     if active is not None:
         _reuse(active, settings, log)
@@ -284,7 +304,74 @@ def get_session(settings: SparkSettings, log: Any = None) -> SessionHandle:
     )
 
 
+def _connect_session(settings: SparkSettings, log: Any) -> SessionHandle:
+    """A Spark Connect session to ``settings.master`` (a gRPC client: no JVM here); conf
+    goes to the server's session as runtime settings."""
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    url = str(settings.master)
+    log.info("sparktorch_ops: connecting to Spark Connect at %s", redact_connect_url(url))
+    _check_reachable(url)
+    builder = ConnectSession.builder.remote(url)
+    for key, value in settings.conf.items():
+        builder = builder.config(key, value)
+    try:
+        session = builder.create()  # getOrCreate would return a session to any server
+        version = session.version  # the first call to the server: fails here if unreachable
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        first = redact_connect_url(first).replace(_token_of(url) or "\0", "***")
+        raise ConfigError(
+            "spark_master",
+            f"could not open a Spark Connect session at {redact_connect_url(url)}: "
+            f"{type(exc).__name__}: {first}",
+        ) from None  # pyspark's own error may quote the token
+    log.info("sparktorch_ops: connected to Spark %s over Spark Connect", version)
+    return SessionHandle(session, created=True, stop_when_done=settings.stop_created_session)
+
+
+CONNECT_DEFAULT_PORT = 15002
+_CONNECT_PROBE_S = 10.0
+
+
+def _check_reachable(url: str) -> None:
+    """Fail fast on a Connect server that cannot be reached: pyspark's client retries a
+    refused connection with backoff for many minutes before it gives up.
+
+    Raises:
+        ConfigError: naming spark_master, when no TCP connection opens within 10 s.
+    """
+    hostport = url[len("sc://") :].split("/", 1)[0].split(";", 1)[0]
+    host, _, port = hostport.rpartition(":") if "]" not in hostport[-1:] else (hostport, "", "")
+    if not host or not port.isdigit():
+        host, port = hostport, str(CONNECT_DEFAULT_PORT)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_PROBE_S).close()
+    except OSError as exc:
+        raise ConfigError(
+            "spark_master",
+            f"cannot reach the Spark Connect server at {host}:{port} ({exc}); check the URL "
+            "(sc://HOST:PORT, default port 15002) and that the server runs",
+        ) from None
+
+
+def redact_connect_url(url: str) -> str:
+    """A Connect URL (or text holding one) fit for logs: the ``token`` parameter's value
+    hidden."""
+    return re.sub(r"(;token=)[^;\s'\"]*", r"\1***", url)
+
+
+def _token_of(url: str) -> str | None:
+    match = re.search(r";token=([^;]*)", url)
+    return match.group(1) if match and match.group(1) else None
+
+
 def _reuse(session: Any, settings: SparkSettings, log: Any) -> None:
+    if is_connect_session(session):
+        log.info("sparktorch_ops: using the active Spark Connect session")
+        for key, value in settings.conf.items():
+            session.conf.set(key, value)
+        return
     sc = session.sparkContext
     log.info(
         "sparktorch_ops: reusing the SparkContext already running in this process "
@@ -296,7 +383,7 @@ def _reuse(session: Any, settings: SparkSettings, log: Any) -> None:
         log.warning(
             "sparktorch_ops: master %r is not used: a process has one SparkContext, and the "
             "running one uses %r",
-            settings.master,
+            redact_connect_url(settings.master),
             sc.master,
         )
     ignored = []
@@ -324,6 +411,12 @@ def stop_session(handle: SessionHandle) -> None:
     """
     if not (handle.created and handle.stop_when_done):
         return
+    if is_connect_session(handle.session):
+        if connect_server_reachable(handle.session):
+            handle.session.stop()  # releases the server-side session; nothing runs here
+        else:  # stop() would retry its release call for minutes
+            handle.session.client.close()
+        return
     sc = handle.session.sparkContext
     jvm = sc._jvm
     handle.session.stop()
@@ -335,8 +428,32 @@ def stop_session(handle: SessionHandle) -> None:
                 pass
 
 
-def conf_value(sc: SparkContext, key: str) -> str | None:
-    """A Spark conf value, or None."""
+def sql_functions(dataframe: Any) -> Any:
+    """``pyspark.sql.functions`` for a DataFrame: the Connect client's own module for a Spark
+    Connect DataFrame (the generic module builds JVM columns in a process that is not in
+    Connect mode, e.g. one that also runs a classic session)."""
+    if type(dataframe).__module__.startswith("pyspark.sql.connect"):
+        from pyspark.sql.connect import functions as connect_functions
+
+        return connect_functions
+    from pyspark.sql import functions
+
+    return functions
+
+
+def conf_source(session: Any) -> Any:
+    """What conf readers here take: a classic session's SparkContext, or a Spark Connect
+    session itself (it has none)."""
+    return session if is_connect_session(session) else session.sparkContext
+
+
+def conf_value(sc: SparkContext | Any, key: str) -> str | None:
+    """A Spark conf value, or None; ``sc`` may also be a Spark Connect session (the server's
+    session conf, which holds the application's conf too)."""
+    if is_connect_session(sc):
+        connect: Any = sc
+        value = connect.conf.get(key, None)
+        return None if value is None else str(value)
     # The context's own conf: sc.getConf() would copy every setting over py4j, each call.
     value = sc._conf.get(key)
     return None if value is None else str(value)
@@ -349,7 +466,7 @@ def conf_true(sc: SparkContext, key: str) -> bool:
 
 def driver_gpus(spark: Any) -> list[str] | None:
     """The driver's GPU addresses from ``spark.driver.resource.gpu``, if the session has any."""
-    if spark is None:
+    if spark is None or is_connect_session(spark):  # a Connect client holds no Spark GPUs
         return None
     gpu = spark.sparkContext.resources.get("gpu")
     return None if gpu is None else list(gpu.addresses)
@@ -528,8 +645,11 @@ def probe_executors(sc: SparkContext, num_tasks: int) -> list[dict[str, Any]]:
     return found
 
 
-def ui_url(sc: SparkContext) -> str | None:
-    """The History Server page of this application when one is configured, else the live UI."""
+def ui_url(sc: SparkContext | Any) -> str | None:
+    """The History Server page of this application when one is configured, else the live UI
+    (unknown to a Spark Connect client: None)."""
+    if is_connect_session(sc):
+        return None
     history = conf_value(sc, "spark.yarn.historyServer.address") or conf_value(
         sc, HISTORY_SERVER_CONF
     )
@@ -538,6 +658,50 @@ def ui_url(sc: SparkContext) -> str | None:
         return f"{base.rstrip('/')}/history/{sc.applicationId}/jobs/"
     url: str | None = sc.uiWebUrl
     return url
+
+
+def app_id(sc: SparkContext | Any) -> str | None:
+    """The Spark application's id (a Connect session reads it from the server's conf)."""
+    if is_connect_session(sc):
+        return conf_value(sc, "spark.app.id")
+    return str(sc.applicationId)
+
+
+def master_of(sc: SparkContext | Any) -> str | None:
+    """The master URL the application runs on (for a Connect session: the server's own)."""
+    if is_connect_session(sc):
+        return conf_value(sc, "spark.master")
+    return str(sc.master)
+
+
+def connect_endpoint(session: Any) -> tuple[str, int]:
+    """The host and port a Spark Connect session talks to."""
+    builder = session.client._builder
+    return str(builder.host).strip("[]"), int(str(builder.endpoint).rsplit(":", 1)[1])
+
+
+def connect_server_reachable(session: Any, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the session's Connect server opens (a liveness check:
+    pyspark's client retries for many minutes when its server is gone)."""
+    try:
+        socket.create_connection(connect_endpoint(session), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def client_address_toward_server(session: Any) -> str:
+    """Spark Connect: this machine's address on the route to the Connect server (the
+    executors are taken to be near it). No packet is sent: a UDP socket's ``connect`` only
+    picks the route. Loopback when the server is on this machine."""
+    host, port = connect_endpoint(session)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
 
 
 def driver_host(sc: SparkContext) -> str:

@@ -271,6 +271,22 @@ def check_location(argument: str, value: object, *, must_exist: bool = False) ->
     return path
 
 
+def _check_host(argument: str, value: object) -> str | None:
+    """A host name or IP address (no port, no scheme), stripped; None stays None."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(argument, f"must be a host name or IP address, got {value!r}")
+    host = value.strip().strip("[]")
+    if any(c in host for c in "/ \t@") or (host.count(":") == 1):
+        raise ConfigError(
+            argument,
+            f"{value!r} is not a host name or IP address (give the host alone, without a "
+            "scheme or port: the channel's port is chosen per run)",
+        )
+    return host
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """Every option of a launch, validated at construction.
@@ -310,6 +326,11 @@ class LaunchSpec:
             alone also turns tracking on (MLflow's default experiment).
         mlflow_all_ranks: log every rank's ``report()`` records, not only rank 0's.
         mlflow_tags: tags for the MLflow run (the orchestrators add their run's ids).
+        channel_host: the address barrier tasks connect to for the driver's channel (logs,
+            metrics, the result), when the default is not reachable from the executors (NAT,
+            containers): the channel then listens on every interface. Default: a classic
+            session's ``spark.driver.host``; over Spark Connect, this machine's address on
+            the route to the Connect server.
     """
 
     num_processes: int = 1
@@ -333,6 +354,7 @@ class LaunchSpec:
     mlflow_tracking_uri: str | None = None
     mlflow_all_ranks: bool = False
     mlflow_tags: Mapping[str, str] = field(default_factory=dict)
+    channel_host: str | None = None
 
     def __post_init__(self) -> None:
         _require_int("num_processes", self.num_processes, 1)
@@ -358,6 +380,7 @@ class LaunchSpec:
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(name, f"must be a non-empty string or None, got {value!r}")
         _require_bool("mlflow_all_ranks", self.mlflow_all_ranks)
+        object.__setattr__(self, "channel_host", _check_host("channel_host", self.channel_host))
         if not isinstance(self.mlflow_tags, Mapping):
             raise ConfigError("mlflow_tags", f"must be a mapping, got {self.mlflow_tags!r}")
         object.__setattr__(

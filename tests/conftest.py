@@ -1,4 +1,5 @@
-"""Shared fixtures: one local[2] SparkSession per test session and a Spark standalone cluster.
+"""Shared fixtures: one local[2] SparkSession per test session, a Spark standalone cluster and
+a Spark Connect server.
 
 Nothing here imports pyspark, Airflow or Prefect at import time: the unit tier
 (``tests/unit``) runs without them. The fixtures import what they need when first used.
@@ -17,6 +18,7 @@ import pytest
 
 if TYPE_CHECKING:
     from tests.support.cluster import Cluster
+    from tests.support.connect_server import ConnectServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,3 +57,18 @@ def standalone_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clu
 
     with cluster_support.start_cluster(tmp_path_factory.mktemp("spark-cluster"), workers=2) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConnectServer]:
+    """A Spark Connect server on ``local[2]`` (its own JVM and Python workers), 127.0.0.1, a
+    free port; ``connect_server.url`` is its ``sc://`` address.
+
+    In this process, connect with ``pyspark.sql.connect.session.SparkSession.builder``:
+    ``pyspark.sql.SparkSession.builder.remote(...)`` refuses while the classic ``spark``
+    fixture runs, and otherwise sets ``SPARK_CONNECT_MODE_ENABLED`` for the whole process.
+    """
+    from tests.support import connect_server as connect_support
+
+    with connect_support.running_connect_server(tmp_path_factory.mktemp("spark-connect")) as s:
+        yield s

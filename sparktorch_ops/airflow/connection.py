@@ -1,8 +1,8 @@
-"""The Spark master and settings of an Airflow ``spark`` connection.
+"""The Spark master and settings of an Airflow ``spark`` or ``spark_connect`` connection.
 
-The connection type is the Spark provider's own (``apache-airflow-providers-apache-spark``); it
-is read the way that provider's ``SparkSubmitHook._resolve_connection`` reads it, so one
-connection serves both ``SparkSubmitOperator`` and ``TorchDistributorOperator``:
+Both connection types are the Spark provider's own (``apache-airflow-providers-apache-spark``).
+A ``spark`` connection is read the way that provider's ``SparkSubmitHook._resolve_connection``
+reads it, so one connection serves both ``SparkSubmitOperator`` and ``TorchDistributorOperator``:
 
 - ``host`` holds the master URL (``spark://host``, ``local[4]``, ``yarn``, ``k8s://https://...``);
   a connection made from a URI (``spark://host:7077``) has the scheme in ``conn_type`` instead.
@@ -10,6 +10,19 @@ connection serves both ``SparkSubmitOperator`` and ``TorchDistributorOperator``:
 - ``extra``: ``queue`` (YARN queue), ``namespace`` (Kubernetes), ``deploy-mode`` (the driver here
   always runs in the task process, so only ``client`` applies) and, as the provider's PySpark
   operator does, any ``spark.*`` key as a Spark setting.
+
+A ``spark_connect`` connection is read the way ``SparkConnectHook.get_connection_url`` reads it;
+the master is that Spark Connect URL (``sc://host:port/;user_id=...;token=...;use_ssl=...``):
+
+- ``host`` is the server's host (``sc://`` is added when it has no scheme), ``port`` is appended
+  when set (else pyspark's default, 15002); a path in ``host`` is an error.
+- ``login`` becomes ``user_id``, ``password`` becomes ``token`` (URL-quoted; unlike the
+  provider, ``/`` too, which pyspark would otherwise refuse) and the extra's ``use_ssl``, when
+  present, ``use_ssl``; nothing else of the extra goes into the URL.
+- any ``spark.*`` key of the extra is a Spark setting of the session, as for ``spark``.
+
+The token is part of the master URL: log it only through
+:func:`sparktorch_ops.spark.redact_connect_url`.
 """
 
 from __future__ import annotations
@@ -17,9 +30,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote, urlparse, urlunparse
+
+from sparktorch_ops.spark import redact_connect_url
 
 DEFAULT_CONN_ID = "spark_default"
 FALLBACK_MASTER = "local[*]"
+CONNECT_CONN_TYPE = "spark_connect"
 
 
 class MissingConnectionError(LookupError):
@@ -31,7 +48,8 @@ class SparkConnection:
     """Where the Spark session of a barrier-mode run comes from.
 
     Attributes:
-        master: the master URL for ``SparkSession.builder.master``.
+        master: the master URL for ``SparkSession.builder.master``, or a Spark Connect URL
+            (``sc://...``, which may hold a token: its repr hides it).
         conf: Spark settings taken from the connection's extra.
         conn_id: the connection that was read, or None when the default one is absent.
     """
@@ -39,6 +57,12 @@ class SparkConnection:
     master: str
     conf: dict[str, str] = field(default_factory=dict)
     conn_id: str | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"SparkConnection(master={redact_connect_url(self.master)!r}, conf={self.conf!r}, "
+            f"conn_id={self.conn_id!r})"
+        )
 
 
 def master_from_connection(conn_type: str | None, host: str | None, port: int | None) -> str:
@@ -50,11 +74,51 @@ def master_from_connection(conn_type: str | None, host: str | None, port: int | 
     return f"{master}:{port}" if port else master
 
 
-def conf_from_extra(extra: Mapping[str, Any], log: Any) -> dict[str, str]:
-    """Spark settings from the connection's extra (provider keys mapped, ``spark.*`` kept)."""
-    conf = {
+def connect_url_from_connection(
+    host: str, port: int | None, login: str | None, password: str | None, use_ssl: Any
+) -> str:
+    """The Spark Connect URL, exactly as the Spark provider's ``SparkConnectHook`` builds it,
+    except that a ``/`` in the login or password is quoted (``%2F``) so that pyspark can read it.
+
+    Args:
+        host: the connection's host (``sc://`` is added when it has no scheme).
+        port: the connection's port, appended when set.
+        login: the user id (``user_id``), when set.
+        password: the token (``token``), when set.
+        use_ssl: the extra's ``use_ssl``; None leaves it out.
+
+    Raises:
+        ValueError: ``host`` has a path (as the provider refuses it).
+    """
+    if "://" not in host:
+        host = f"sc://{host}"
+    if port:
+        host = f"{host}:{port}"
+    url = urlparse(host)
+    if url.path:
+        raise ValueError(f"the path {url.path!r} is not supported in a Spark Connect URL")
+    # One departure: "/" is quoted too. The provider keeps it, and pyspark then reads the
+    # parameters as a path and refuses the URL, quoting the token in its error.
+    params = []
+    if login:
+        params.append(f"user_id={quote(login, safe='')}")
+    if password:
+        params.append(f"token={quote(password, safe='')}")
+    if use_ssl is not None:
+        params.append(f"use_ssl={quote(str(use_ssl), safe='')}")
+    return urlunparse(("sc", url.netloc, "/", ";".join(params), "", url.fragment))
+
+
+def spark_conf_from_extra(extra: Mapping[str, Any]) -> dict[str, str]:
+    """The ``spark.*`` keys of a connection's extra, values as strings."""
+    return {
         str(k): str(v) for k, v in extra.items() if str(k).startswith("spark.") and v is not None
     }
+
+
+def conf_from_extra(extra: Mapping[str, Any], log: Any) -> dict[str, str]:
+    """Spark settings from the connection's extra (provider keys mapped, ``spark.*`` kept)."""
+    conf = spark_conf_from_extra(extra)
     if extra.get("queue"):
         conf.setdefault("spark.yarn.queue", str(extra["queue"]))
     if extra.get("namespace"):
@@ -74,7 +138,8 @@ def resolve_connection(conn_id: str, log: Any) -> SparkConnection:
 
     Raises:
         MissingConnectionError: ``conn_id`` is not the default and does not exist.
-        ValueError: the connection has no master (no host).
+        ValueError: the connection has no master (no host), or a ``spark_connect`` one's host
+            has a path.
     """
     from airflow.sdk import BaseHook
     from airflow.sdk.exceptions import AirflowNotFoundException
@@ -86,7 +151,8 @@ def resolve_connection(conn_id: str, log: Any) -> SparkConnection:
             raise MissingConnectionError(
                 f"conn_id: the Airflow connection {conn_id!r} does not exist; create a connection "
                 "of type 'spark' whose host is the master URL (spark://host:7077, yarn, "
-                "k8s://https://host, local[4])"
+                "k8s://https://host, local[4]), or of type 'spark_connect' whose host and port "
+                "are a Spark Connect server's"
             ) from None
         log.info(
             "sparktorch_ops: no connection %r: the master is spark_conf's spark.master, else %s",
@@ -94,6 +160,8 @@ def resolve_connection(conn_id: str, log: Any) -> SparkConnection:
             FALLBACK_MASTER,
         )
         return SparkConnection(FALLBACK_MASTER)
+    if conn.conn_type == CONNECT_CONN_TYPE:
+        return _connect_connection(conn_id, conn, log)
     if not conn.host and conn.conn_type == "spark":
         raise ValueError(
             f"conn_id: the connection {conn_id!r} has no host; put the master URL there "
@@ -101,6 +169,32 @@ def resolve_connection(conn_id: str, log: Any) -> SparkConnection:
         )
     master = master_from_connection(conn.conn_type, conn.host, conn.port)
     return SparkConnection(master, conf_from_extra(conn.extra_dejson, log), conn_id)
+
+
+def _connect_connection(conn_id: str, conn: Any, log: Any) -> SparkConnection:
+    """A ``spark_connect`` connection: its Connect URL as the master, its ``spark.*`` extras."""
+    if not conn.host:
+        raise ValueError(
+            f"conn_id: the Spark Connect connection {conn_id!r} has no host; put the Spark "
+            "Connect server's host there (and its port, default 15002)"
+        )
+    extra = conn.extra_dejson or {}
+    try:
+        master = connect_url_from_connection(
+            conn.host, conn.port, conn.login, conn.password, extra.get("use_ssl")
+        )
+    except ValueError as exc:
+        raise ValueError(f"conn_id: the Spark Connect connection {conn_id!r}: {exc}") from None
+    ignored = sorted(key for key in ("token", "user_id") if key in extra)
+    if ignored:
+        log.warning(
+            "sparktorch_ops: the extra's %s of connection %s is ignored: as the Spark provider's "
+            "SparkConnectHook does, the token is the connection's password and the user id its "
+            "login",
+            " and ".join(ignored),
+            conn_id,
+        )
+    return SparkConnection(master, spark_conf_from_extra(extra), conn_id)
 
 
 def mlflow_uri_from_connection(conn_id: str, log: Any) -> str | None:

@@ -28,7 +28,7 @@ from sparktorch_ops.dataframe import DataInput
 from sparktorch_ops.errors import ConfigError, SparkTorchError
 from sparktorch_ops.job import CancelToken, build_job
 from sparktorch_ops.outcome import outcome_of
-from sparktorch_ops.spark import SparkSettings
+from sparktorch_ops.spark import SparkSettings, redact_connect_url
 from sparktorch_ops.spec import DEFAULT_MAX_RESULT_BYTES
 
 if TYPE_CHECKING:
@@ -55,7 +55,9 @@ class TorchDistributorOperator(BaseOperator):
     (read it back with :func:`sparktorch_ops.airflow.load_result`, given the same
     ``result_location``), plus :meth:`RunResult.summary`'s fields.
 
-    Barrier mode takes its master from the Spark provider's ``spark`` connection ``conn_id``.
+    Barrier mode takes its master from the Spark provider's ``spark`` connection ``conn_id``,
+    or a Spark Connect session from its ``spark_connect`` connection (read as
+    ``SparkConnectHook`` reads it; the token is never logged).
     An absent ``spark_default`` means ``spark.master`` from ``spark_conf``, else ``local[*]``;
     another missing connection, or a ``spark.master`` that contradicts the connection's, is
     bad input. A running SparkContext is reused. ``local_mode=True`` starts no Spark at all,
@@ -71,9 +73,11 @@ class TorchDistributorOperator(BaseOperator):
         train_kwargs: the function's keyword arguments (templated).
         num_processes, local_mode, use_gpu, env, max_restarts, timeout, start_timeout,
             torchrun_args, log_ranks, max_result_bytes, max_local_processes,
-            allow_unencrypted_channel: as for :class:`~sparktorch_ops.TorchDistributor`
-            (``num_processes`` and ``env`` templated; rendered integers are coerced).
-        conn_id: Airflow ``spark`` connection with the master for barrier mode.
+            allow_unencrypted_channel, channel_host: as for
+            :class:`~sparktorch_ops.TorchDistributor` (``num_processes``, ``env`` and
+            ``channel_host`` templated; rendered integers are coerced).
+        conn_id: Airflow ``spark`` connection with the master for barrier mode, or
+            ``spark_connect`` connection of a Spark Connect server.
         spark_conf: Spark settings for the session this task creates (templated); they
             override the connection's ``spark.*`` extras.
         result_location: where large or non-JSON values go (templated): a directory or an
@@ -117,6 +121,7 @@ class TorchDistributorOperator(BaseOperator):
         "input_path",
         "checkpoint_dir",
         "warm_start_from",
+        "channel_host",
         "mlflow_experiment",
         "mlflow_tracking_uri",
     )
@@ -149,6 +154,7 @@ class TorchDistributorOperator(BaseOperator):
         max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
         max_local_processes: int | None = None,
         allow_unencrypted_channel: bool = False,
+        channel_host: str | None = None,
         result_location: str | None = None,
         max_xcom_value_bytes: int | None = None,
         input_sql: str | None = None,
@@ -184,6 +190,7 @@ class TorchDistributorOperator(BaseOperator):
         self.max_result_bytes = max_result_bytes
         self.max_local_processes = max_local_processes
         self.allow_unencrypted_channel = allow_unencrypted_channel
+        self.channel_host = channel_host
         self.result_location = result_location
         self.max_xcom_value_bytes = max_xcom_value_bytes
         self.input_sql, self.input_table = input_sql, input_table
@@ -219,6 +226,7 @@ class TorchDistributorOperator(BaseOperator):
                 start_timeout=self.start_timeout,
                 log_ranks=self.log_ranks,
                 allow_unencrypted_channel=self.allow_unencrypted_channel,
+                channel_host=self.channel_host or None,
                 max_result_bytes=self.max_result_bytes,
                 max_local_processes=self.max_local_processes,
                 checkpoint_dir=self._checkpoint_dir(context),
@@ -302,7 +310,7 @@ class TorchDistributorOperator(BaseOperator):
         if connection.conn_id is not None:
             self.log.info(
                 "sparktorch_ops: Spark master %s from connection %s",
-                connection.master,
+                redact_connect_url(connection.master),
                 connection.conn_id,
             )
         conf = {**connection.conf, **self.spark_conf}
@@ -316,7 +324,10 @@ class TorchDistributorOperator(BaseOperator):
                 master=master, conf=conf, app_name=f"airflow-{self.dag_id}-{self.task_id}"
             )
         except ConfigError as exc:
-            raise AirflowFailException(f"sparktorch_ops: bad input: {exc}") from exc
+            # The message may quote a Connect URL, token and all.
+            raise AirflowFailException(
+                f"sparktorch_ops: bad input: {redact_connect_url(str(exc))}"
+            ) from exc
 
     def _on_event(self, event: events.PhaseEvent, context: Context) -> None:
         if event.name != events.SESSION_READY:

@@ -21,9 +21,11 @@ class SparkCluster(Block):
 
     Save it once (``SparkCluster(master="spark://head:7077", conf={...}).save("prod")``) and
     pass ``cluster="prod"`` (or the block) to the task; it is used when ``local_mode=False``.
+    A Spark Connect URL as master (``sc://spark-connect:15002``) runs the barrier tasks through
+    a Spark Connect session to that server.
 
     Attributes:
-        master: the Spark master URL.
+        master: the Spark master URL, or a Spark Connect URL (``sc://...``).
         conf: Spark configuration applied when the session is created.
         history_server_url: the Spark History Server, for the task's Spark UI link (the
             driver's live UI goes away with the session); needs event logging on the cluster.
@@ -37,8 +39,12 @@ class SparkCluster(Block):
     )
 
     master: str = Field(
-        description=f"Spark master URL, one of: {spark_support.MASTER_FORMS}.",
-        examples=["spark://spark-master:7077", "local[4]", "yarn"],
+        description=(
+            f"Spark master URL, one of: {spark_support.MASTER_FORMS}. A Spark Connect URL "
+            "(sc://host:port, optionally /;token=...;use_ssl=true;user_id=...) opens a Spark "
+            "Connect session (no JVM in the flow's process); conf then holds runtime settings."
+        ),
+        examples=["spark://spark-master:7077", "sc://spark-connect:15002", "local[4]", "yarn"],
     )
     conf: dict[str, str] = Field(
         default_factory=dict,

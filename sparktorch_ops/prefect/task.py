@@ -93,6 +93,7 @@ def run_torch_distributor(
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
     max_local_processes: int | None = None,
     allow_unencrypted_channel: bool = False,
+    channel_host: str | None = None,
     artifact_key: str | None = None,
     artifacts: bool = True,
     dataframe: Any = None,
@@ -125,8 +126,8 @@ def run_torch_distributor(
         train_args: the function's positional arguments, or the script's arguments.
         train_kwargs: the function's keyword arguments (not for scripts).
         num_processes, local_mode, use_gpu, env, max_restarts, torchrun_args, start_timeout,
-            log_ranks, max_result_bytes, max_local_processes, allow_unencrypted_channel: as
-            for :class:`~sparktorch_ops.TorchDistributor`.
+            log_ranks, max_result_bytes, max_local_processes, allow_unencrypted_channel,
+            channel_host: as for :class:`~sparktorch_ops.TorchDistributor`.
         timeout: seconds (or a timedelta) the training may take (the core stops it; distinct
             from Prefect's ``timeout_seconds``, which covers the whole task).
         spark_master: the Spark master URL for barrier mode (see :class:`SparkCluster`).
@@ -198,6 +199,7 @@ def run_torch_distributor(
         start_timeout=start_timeout,
         log_ranks=log_ranks,
         allow_unencrypted_channel=allow_unencrypted_channel,
+        channel_host=channel_host,
         max_result_bytes=max_result_bytes,
         max_local_processes=max_local_processes,
         checkpoint_dir=checkpoint_dir or default_checkpoint_dir(ctx),

@@ -82,6 +82,141 @@ def test_default_connection_may_be_absent_others_may_not(caplog: pytest.LogCaptu
         resolve_connection("sto_no_such_conn", LOG)
 
 
+CONNECT_CONNECTIONS = {
+    "sto_connect_plain": {"conn_type": "spark_connect", "host": "connect.example"},
+    "sto_connect_port": {"conn_type": "spark_connect", "host": "connect.example", "port": 15003},
+    "sto_connect_full": {
+        "conn_type": "spark_connect",
+        "host": "sc://connect.example",
+        "port": 443,
+        "login": "ml team",
+        "password": "t0k en;=x",
+        "extra": {"use_ssl": True, "spark.sql.shuffle.partitions": 8, "token": "not-this"},
+    },
+}
+CONNECT_URL_FULL = "sc://connect.example:443/;user_id=ml%20team;token=t0k%20en%3B%3Dx;use_ssl=True"
+# A URI's scheme is the type: Airflow reads spark-connect:// as spark_connect.
+CONNECT_URI_CONNECTIONS = {
+    "sto_connect_uri": "spark-connect://analyst:tok3n@connect.example:15002?use_ssl=false"
+}
+
+
+@pytest.fixture
+def connect_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    for conn_id, spec in CONNECT_CONNECTIONS.items():
+        monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(spec))
+    for conn_id, uri in CONNECT_URI_CONNECTIONS.items():
+        monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", uri)
+
+
+@pytest.mark.usefixtures("connect_connections")
+@pytest.mark.parametrize("conn_id", [*CONNECT_CONNECTIONS, *CONNECT_URI_CONNECTIONS])
+def test_connect_url_is_what_the_spark_connect_hook_builds(conn_id: str) -> None:
+    from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
+
+    from sparktorch_ops.airflow.connection import resolve_connection
+    from sparktorch_ops.spark import SparkSettings, parse_master
+
+    expected = SparkConnectHook(conn_id=conn_id).get_connection_url()
+    ours = resolve_connection(conn_id, LOG)
+    assert ours.master == expected
+    assert ours.conn_id == conn_id
+    assert parse_master(ours.master).is_connect
+    assert SparkSettings(master=ours.master, conf=ours.conf).master == expected
+
+
+@pytest.mark.usefixtures("connect_connections")
+def test_spark_connect_connection_fields(caplog: pytest.LogCaptureFixture) -> None:
+    from sparktorch_ops.airflow.connection import resolve_connection
+
+    assert resolve_connection("sto_connect_plain", LOG).master == "sc://connect.example/"
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        full = resolve_connection("sto_connect_full", LOG)
+    assert full.master == CONNECT_URL_FULL
+    # spark.* extras are session settings; the extra's token is not the provider's token.
+    assert full.conf == {"spark.sql.shuffle.partitions": "8"}
+    assert "the extra's token of connection sto_connect_full is ignored" in caplog.text
+    assert "t0k" not in repr(full) and "token=***" in repr(full)
+    uri = resolve_connection("sto_connect_uri", LOG)
+    assert uri.master == "sc://connect.example:15002/;user_id=analyst;token=tok3n;use_ssl=false"
+
+
+def test_a_slash_in_the_token_is_quoted_for_pyspark(monkeypatch: pytest.MonkeyPatch) -> None:
+    from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
+    from pyspark.sql.connect.client.core import DefaultChannelBuilder
+
+    from sparktorch_ops.airflow.connection import resolve_connection
+
+    spec = {"conn_type": "spark_connect", "host": "h", "login": "a/b", "password": "k/L+0="}
+    monkeypatch.setenv("AIRFLOW_CONN_STO_SLASH", json.dumps(spec))
+    ours = resolve_connection("sto_slash", LOG).master
+    assert ours == "sc://h/;user_id=a%2Fb;token=k%2FL%2B0%3D"
+    builder = DefaultChannelBuilder(ours)
+    assert (builder.userId, builder.token) == ("a/b", "k/L+0=")
+    # The provider keeps the "/", and pyspark takes the parameters for a path.
+    hook_url = SparkConnectHook(conn_id="sto_slash").get_connection_url()
+    assert hook_url == ours.replace("%2F", "/")
+    with pytest.raises(ValueError, match="path component"):
+        DefaultChannelBuilder(hook_url)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"conn_type": "spark_connect"}, "Spark Connect connection 'sto_bad_connect' has no host"),
+        (
+            {"conn_type": "spark_connect", "host": "sc://connect.example/db"},
+            "Spark Connect connection 'sto_bad_connect': the path '/db' is not supported",
+        ),
+    ],
+)
+def test_bad_spark_connect_connection_names_it(
+    monkeypatch: pytest.MonkeyPatch, spec: dict[str, Any], message: str
+) -> None:
+    from sparktorch_ops.airflow.connection import resolve_connection
+
+    monkeypatch.setenv("AIRFLOW_CONN_STO_BAD_CONNECT", json.dumps(spec))
+    with pytest.raises(ValueError, match=re.escape(f"conn_id: the {message}")):
+        resolve_connection("sto_bad_connect", LOG)
+
+
+@pytest.mark.usefixtures("connect_connections")
+def test_operator_settings_from_a_spark_connect_connection_hide_the_token(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from sparktorch_ops.airflow import TorchDistributorOperator
+
+    def fn() -> None:
+        """Unused."""
+
+    operator = TorchDistributorOperator(
+        task_id="t",
+        train=fn,
+        local_mode=False,
+        conn_id="sto_connect_full",
+        spark_conf={"spark.sql.shuffle.partitions": "4"},
+    )
+    settings = operator._spark_settings()
+    assert settings.master == CONNECT_URL_FULL
+    assert settings.conf == {"spark.sql.shuffle.partitions": "4"}  # spark_conf wins
+    log = capsys.readouterr().out  # the task logger writes there (structlog)
+    assert "Spark master sc://connect.example:443/;user_id=ml%20team;token=***;" in log
+    assert "t0k" not in log
+
+    contradicting = TorchDistributorOperator(
+        task_id="u",
+        train=fn,
+        local_mode=False,
+        conn_id="sto_connect_full",
+        spark_conf={"spark.master": "local[2]"},
+    )
+    with pytest.raises(AirflowFailException, match="contradicts") as raised:
+        contradicting._spark_settings()
+    assert "t0k" not in str(raised.value) and "token=***" in str(raised.value)
+
+
 @pytest.mark.parametrize(
     ("value", "problem"),
     [

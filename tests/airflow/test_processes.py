@@ -1,8 +1,9 @@
 """The operator run by Airflow's own entry point in a process of its own.
 
 ``airflow dags test`` runs each task through Airflow's task runner, which installs the SIGTERM
-handler that calls ``on_kill``. The cluster test needs its own process for another reason: one
-SparkContext per process, and this one may already have a local one.
+handler that calls ``on_kill``. The cluster and Spark Connect tests need their own process for
+another reason: one SparkContext per process, and this one may already have a local one (which
+a run would reuse instead of the Connect session); and a Connect client leaves its state behind.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.airflow.conftest import airflow_env, read_xcom
+from tests.support.connect_server import ConnectServer
 from tests.support.procs import wait_until_gone
 
 RUN_STARTED = re.compile(r"sparktorch_ops: (sparktorch-[0-9a-f]+) started")
@@ -170,3 +172,59 @@ def test_operator_on_a_standalone_cluster_from_a_connection(
     # Its live UI died with the task and no History Server is configured: no link.
     assert read_xcom("sto_cluster", run_id, "default_conn", key="_link_SparkUILink") == ""
     assert re.search(r"\[info\s*\] \[rank 1\|[^\]]+\] training started on rank 1", output)
+
+
+@pytest.mark.slow
+def test_operator_over_spark_connect_from_a_spark_connect_connection(
+    airflow_db: Path, connect_server: ConnectServer
+) -> None:
+    token = "s3cret-connect-token"
+    connection = {
+        "conn_type": "spark_connect",
+        # localhost: pyspark sends a token over a plain channel only to localhost.
+        "host": "localhost",
+        "port": connect_server.port,
+        "login": "airflow-user",
+        "password": token,
+        "extra": {"use_ssl": False},
+    }
+    env = airflow_env(AIRFLOW_CONN_SPARK_CONNECT_TEST=json.dumps(connection))
+    command = AirflowCommand(["dags", "test", "sto_connect"], env)
+    code = command.wait(timeout=400)
+    output = command.output
+    server_log = connect_server.log()
+    assert code == 0, f"{output[-20000:]}\nserver log:\n{server_log}"
+    run_id = latest_run_id("sto_connect")
+
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        state = session.scalar(
+            select(TaskInstance.state).where(
+                TaskInstance.dag_id == "sto_connect",
+                TaskInstance.run_id == run_id,
+                TaskInstance.task_id == "over_connect",
+            )
+        )
+    assert state == "success"
+    summary = read_xcom("sto_connect", run_id, "over_connect")
+    assert summary["value"] == {"sum": 3.0, "world_size": 2}
+    assert (summary["mode"], summary["num_processes"]) == ("barrier", 2)
+    assert summary["exit_codes"] == {"0": 0, "1": 0}
+    # The server's application ran it (a Connect client has no SparkContext of its own).
+    assert summary["app_id"].startswith("local-")
+    redacted = f"sc://localhost:{connect_server.port}/;user_id=airflow-user;token=***;use_ssl=False"
+    assert f"Spark master {redacted} from connection spark_connect_test" in output
+    assert f"connecting to Spark Connect at {redacted}" in output
+    assert "starting a SparkSession" not in output  # no JVM here
+    for rank in (0, 1):
+        assert re.search(
+            rf"\[info\s*\] \[rank {rank}\|[^\]]+\] training started on rank {rank}", output
+        ), output[-20000:]
+        assert re.search(rf"\[rank {rank}\|[^\]]+\] rank {rank} all-reduced 3\b", output)
+    assert token not in output
+    run = RUN_STARTED.search(output)
+    assert run, output[-20000:]
+    assert wait_until_gone(run[1], timeout=30) == []

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from sparktorch_ops import ConfigError, ResourceError, TorchDistributor, TrainingFailedError
+from sparktorch_ops import ResourceError, TorchDistributor, TrainingFailedError
 from tests.support.procs import ENV_CONTRACT
 
 ENV_KEYS = ENV_CONTRACT
@@ -81,18 +81,6 @@ def test_too_few_slots_fail_before_launch_within_seconds(spark: Any) -> None:
 def test_use_gpu_without_task_gpu_amount_is_a_resource_error(spark: Any) -> None:
     with pytest.raises(ResourceError, match="use_gpu=False"):
         TorchDistributor(num_processes=2, local_mode=False, use_gpu=True, spark=spark).run(print)
-
-
-def test_spark_connect_session_is_refused() -> None:
-    class FakeConnectSession:  # stands in for a remote session: nothing of it is ever called
-        pass
-
-    FakeConnectSession.__module__ = "pyspark.sql.connect.session"
-    with pytest.raises(ConfigError, match="Spark Connect") as info:
-        TorchDistributor(
-            num_processes=2, local_mode=False, use_gpu=False, spark=FakeConnectSession()
-        )
-    assert info.value.argument == "spark"
 
 
 def world_and_port() -> tuple[int, str]:

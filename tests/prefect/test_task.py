@@ -3,9 +3,14 @@ barrier mode with a SparkCluster block. Everything is read back through the Pref
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import pytest
 from prefect import flow
@@ -20,7 +25,10 @@ from sparktorch_ops.prefect import (
 from sparktorch_ops.prefect.artifacts import check_artifact_key, key_from_name, metrics_table
 from sparktorch_ops.results import MetricRecord
 from tests.prefect.conftest import flow_run_artifacts, flow_run_logs, run_ids, task_runs
+from tests.support.connect_server import ConnectServer
 from tests.support.procs import wait_until_gone
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fail_on_rank_1() -> str:
@@ -285,6 +293,69 @@ def test_barrier_mode_on_a_named_cluster_links_the_spark_ui(spark: Any) -> None:
     assert wait_until_gone(run_id, timeout=15) == []
 
 
+@pytest.mark.slow
+def test_barrier_mode_over_spark_connect_on_a_cluster_block(
+    prefect_api: str, connect_server: ConnectServer, tmp_path: Path
+) -> None:
+    token = "s3cret-block-token"
+    # localhost: pyspark sends a token over a plain channel only to localhost.
+    url = f"sc://localhost:{connect_server.port}/;token={token}"
+    SparkCluster(master=url).save("test-connect-cluster", overwrite=True)
+    assert SparkCluster.load("test-connect-cluster").settings().master == url
+
+    # Its own process: here a classic SparkContext may run, which the task would reuse
+    # instead of the Connect session; and a Connect client leaves its state behind.
+    out = tmp_path / "outcome.json"
+    env = dict(os.environ)
+    env.update(
+        PREFECT_API_URL=prefect_api,
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_LOCAL_STORAGE_PATH=str(tmp_path / "results"),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+    )
+    script = Path(__file__).with_name("connect_flow.py")
+    flow_run = subprocess.run(
+        [sys.executable, str(script), "test-connect-cluster", str(out)],
+        cwd=str(ROOT),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
+    output = flow_run.stdout + flow_run.stderr
+    assert flow_run.returncode == 0, f"{output[-20000:]}\nserver log:\n{connect_server.log()}"
+    outcome = json.loads(out.read_text())
+    assert outcome["completed"], outcome["message"]
+    assert outcome["value"] == {"sum": 3.0, "world_size": 2}
+
+    flow_run_id = UUID(outcome["flow_run_id"])
+    [task_run] = task_runs(flow_run_id)
+    assert task_run.state.is_completed()
+    artifacts = flow_run_artifacts(flow_run_id)
+    assert artifacts["connect-job-progress"].data == 100
+    rows = {(row["rank"], row["contributed"]) for row in _table(artifacts["connect-job-metrics"])}
+    assert rows == {(0, 1), (1, 2)}
+    summary = artifacts["connect-job-summary"].data
+    assert "completed" in summary and "| Processes | 2 |" in summary
+    assert "barrier (one rank per Spark barrier task)" in summary
+    assert "| Spark application | `local-" in summary  # the Connect server's application
+    logs = [log.message for log in flow_run_logs(flow_run_id)]
+    redacted = f"sc://localhost:{connect_server.port}/;token=***"
+    assert f"sparktorch_ops: connecting to Spark Connect at {redacted}" in logs, logs
+    for rank in (0, 1):
+        assert any(
+            line.startswith(f"[rank {rank}|") and f"rank {rank} all-reduced 3" in line
+            for line in logs
+        ), logs
+    assert not any(token in line for line in logs)
+    assert not any(token in str(artifact.data) for artifact in artifacts.values())
+    assert token not in output
+    [run_id] = run_ids(flow_run_logs(flow_run_id))
+    assert wait_until_gone(run_id, timeout=15) == []
+
+
 def _rows_seen(batch_size: int) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -337,10 +408,19 @@ def _table(artifact: Any) -> list[dict[str, Any]]:
         "yarn",
         "k8s://https://api:6443",
         "mesos://zk:5050",
+        "sc://spark-connect:15002",
+        "sc://spark-connect/;use_ssl=true;token=abc;user_id=me",
     ],
 )
 def test_valid_masters(master: str) -> None:
     assert validate_master(master) == master
+
+
+def test_cluster_block_examples_are_valid_masters() -> None:
+    examples = SparkCluster.model_fields["master"].examples or []
+    assert "sc://spark-connect:15002" in examples
+    for example in examples:
+        assert SparkCluster(master=example).master == example
 
 
 @pytest.mark.parametrize("master", ["nonsense://x", "local[0]", "local[x]", "spark://", "", 7])

@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 
 from tests.support.cluster import free_port
+from tests.support.procs import group_members
 
 
 @dataclass
@@ -46,7 +47,7 @@ class MlflowServer:
 
     def group_members(self) -> list[psutil.Process]:
         """Live processes of the server's process group."""
-        return _group_members(self.process.pid)
+        return group_members(self.process.pid)
 
 
 def server_command() -> list[str]:
@@ -66,26 +67,15 @@ def server_env() -> dict[str, str]:
     return env
 
 
-def _group_members(pgid: int) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.Error, ProcessLookupError):
-            continue
-    return found
-
-
 def _wait_group_gone(process: subprocess.Popen[bytes], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         process.poll()  # reap the leader as soon as it exits
-        if not _group_members(process.pid):
+        if not group_members(process.pid):
             return True
         time.sleep(0.2)
     process.poll()
-    return not _group_members(process.pid)
+    return not group_members(process.pid)
 
 
 def stop_server(process: subprocess.Popen[bytes], grace: float = 15.0) -> None:
@@ -102,7 +92,7 @@ def stop_server(process: subprocess.Popen[bytes], grace: float = 15.0) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     if not _wait_group_gone(process, 10):
-        left = [p.pid for p in _group_members(process.pid)]
+        left = [p.pid for p in group_members(process.pid)]
         raise RuntimeError(f"mlflow server processes {left} outlived SIGKILL")
     process.wait(timeout=5)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
@@ -46,3 +47,15 @@ def wait_until_gone(run_id: str | None = None, timeout: float = 30.0) -> list[ps
         time.sleep(0.2)
         left = processes_with_marker(run_id)
     return left
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """Live processes of process group ``pgid`` (a server started in a group of its own)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return found

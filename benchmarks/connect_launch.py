@@ -1,0 +1,445 @@
+"""Launch overhead over Spark Connect: a trivial 2-rank gloo all-reduce in barrier mode, from a
+classic session and from a Spark Connect session, ours and pyspark's, alternating.
+
+Variants (one of each per round, the order rotated every round, after a discarded warm-up
+round), each a 2-rank ``jobs.allreduce`` (rank 0's all-reduced 3.0 comes back):
+
+- ``ours_classic``: ``sparktorch_ops.TorchDistributor(..., local_mode=False, spark=classic)``
+  on a ``local[2]`` session of this process (the baseline of the ratios);
+- ``ours_connect``: the same with ``spark=`` a Spark Connect session to a Connect server on
+  ``local[2]``, which this benchmark starts (``spark-submit --class SparkConnectServer``);
+- ``pyspark_connect``: pyspark's ``TorchDistributor(num_processes=2, local_mode=False,
+  use_gpu=False)`` with the Connect session active;
+- ``pyspark_classic``: pyspark's on the classic session.
+
+One process is both: the classic session (this process's SparkContext) and the Connect client
+(``pyspark.sql.connect.session.SparkSession.builder.remote(url)``, which, unlike
+``pyspark.sql.SparkSession.builder.remote``, does not refuse next to a running SparkContext).
+pyspark decides "Connect or classic" from ``SPARK_CONNECT_MODE_ENABLED`` (``is_remote()``;
+``SparkSession.active()``, which its TorchDistributor calls, dispatches on it), which
+``pyspark.sql.SparkSession.builder.remote`` sets for good in a Connect-only process: the
+Connect variants run with it set, as they would there, and the classic ones without it.
+
+The Connect server has its own JVM and Python workers, so the Connect variants pay a gRPC
+round trip per Spark call and the server's scheduling, not a second JVM start. Before each run
+a tiny job on each session keeps Spark's Python workers warm (Spark stops them after a minute
+idle). A variant that fails is recorded with its error (the table shows it in place of the
+median), and the others go on: on a tree without Connect support ``ours_connect`` records
+``ConfigError: ... Spark Connect sessions are not supported yet``.
+
+    python benchmarks/connect_launch.py --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import common
+import psutil
+from common import log, print_table, ratio
+
+common.prepare_environment()
+
+import jobs  # noqa: E402  (needs the benchmarks dir on sys.path, set just above)
+
+NAME = "connect_launch"
+MASTER = "local[2]"
+VARIANTS = ("ours_classic", "ours_connect", "pyspark_connect", "pyspark_classic")
+BASELINE = "ours_classic"
+SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+CONNECT_ENV = "SPARK_CONNECT_MODE_ENABLED"
+# Rank-side processes of a barrier run, to kill when a pyspark run times out.
+RANK_MARKERS = ("torch_run_process_wrapper", "torch.distributed.run", "sparktorch_ops.agent")
+
+
+# -- the Connect server (the same as tests/support/connect_server.py; benchmarks import no
+# test code) -----------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _spark_home() -> str:
+    import pyspark
+
+    return os.path.dirname(pyspark.__file__)
+
+
+def server_command(port: int, master: str = MASTER) -> list[str]:
+    """``spark-submit ... SparkConnectServer ... spark-internal`` of the pyspark package."""
+    settings = {
+        "spark.connect.grpc.binding.port": str(port),
+        "spark.connect.grpc.binding.address": "127.0.0.1",
+        "spark.driver.host": "127.0.0.1",
+        "spark.driver.bindAddress": "127.0.0.1",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.ui.port": "0",
+    }
+    command = [os.path.join(_spark_home(), "bin", "spark-submit"), "--class", SERVER_CLASS]
+    command += ["--master", master]
+    for key, value in settings.items():
+        command += ["--conf", f"{key}={value}"]
+    return [*command, "spark-internal"]
+
+
+class ConnectServer:
+    """A Spark Connect server in its own process group; :meth:`stop` ends it and every process
+    it started (its Python workers call ``setpgid``: they are waited for as descendants)."""
+
+    def __init__(self, workdir: Path, master: str = MASTER) -> None:
+        self.port = _free_port()
+        self.url = f"sc://127.0.0.1:{self.port}"
+        self.log_path = workdir / "connect-server.log"
+        drop = ("SPARK_REMOTE", CONNECT_ENV, "SPARK_LOCAL_REMOTE", "SPARK_API_MODE")
+        env = {k: v for k, v in os.environ.items() if k not in drop}
+        env.update(SPARK_HOME=_spark_home(), SPARK_LOCAL_IP="127.0.0.1")
+        with open(self.log_path, "wb") as out:
+            self.process = subprocess.Popen(
+                server_command(self.port, master),
+                cwd=workdir,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    def log_tail(self, last: int = 4000) -> str:
+        """The end of the server's output."""
+        try:
+            return self.log_path.read_text(errors="replace")[-last:]
+        except OSError:
+            return ""
+
+    def wait_listening(self, timeout: float) -> None:
+        """Wait until the gRPC port accepts connections (the server binds it last)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise RuntimeError(f"Connect server exited {code}:\n{self.log_tail()}")
+            with socket.socket() as sock:
+                sock.settimeout(1)
+                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.5)
+        raise TimeoutError(f"Connect server not up within {timeout:g} s:\n{self.log_tail()}")
+
+    def descendants(self) -> list[psutil.Process]:
+        """The server's processes below its JVM (Python workers, ranks)."""
+        try:
+            return psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM the group and the descendants, SIGKILL what is left after ``grace`` s."""
+        others = self.descendants()
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+            for proc in others:
+                with contextlib.suppress(psutil.Error):
+                    proc.send_signal(sig)
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None and not any(_alive(p) for p in others):
+                    return
+                time.sleep(0.2)
+        left = [p.pid for p in others if _alive(p)]
+        raise RuntimeError(f"Connect server (pid {self.process.pid}) or {left} outlived SIGKILL")
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@contextlib.contextmanager
+def connect_mode() -> Iterator[None]:
+    """pyspark's view of a Connect-only process (``is_remote()``) for the block."""
+    saved = os.environ.get(CONNECT_ENV)
+    os.environ[CONNECT_ENV] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(CONNECT_ENV, None)
+        else:
+            os.environ[CONNECT_ENV] = saved
+
+
+def start_connect_session(url: str) -> Any:
+    """A Connect session to ``url`` beside this process's classic one, warmed with a job."""
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    session = ConnectSession.builder.remote(url).getOrCreate()
+    assert session.range(1).collect()[0][0] == 0
+    return session
+
+
+def _identity(batches: Iterator[Any]) -> Iterator[Any]:
+    yield from batches
+
+
+def touch_connect_workers(session: Any) -> None:
+    """A tiny Python job on every slot of the server: its Python workers stay warm."""
+    session.range(2, numPartitions=2).mapInArrow(_identity, "id long").collect()
+
+
+def python_workers(root: int) -> set[int]:
+    """Pids of Spark's Python workers (children of ``pyspark.daemon``) under ``root``."""
+    found: set[int] = set()
+    try:
+        procs = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return found
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            if "pyspark.daemon" in " ".join(proc.cmdline()) and proc.parent().name() != "java":
+                found.add(proc.pid)
+    return found
+
+
+# -- the variants ----------------------------------------------------------------------------
+class Launchers:
+    """Builds the run-once callables of every variant."""
+
+    def __init__(self, classic: Any, connect: Any, server: ConnectServer, timeout: float) -> None:
+        self.classic = classic
+        self.connect = connect
+        self.server = server
+        self.timeout = timeout
+        self.logger = common.quiet_logger()
+        self.fn = functools.partial(jobs.allreduce, None, False)
+
+    def ours(self, session: Any) -> Any:
+        from sparktorch_ops import TorchDistributor
+
+        distributor = TorchDistributor(
+            num_processes=2,
+            local_mode=False,
+            use_gpu=False,
+            spark=session,
+            logger=self.logger,
+            timeout=self.timeout,
+        )
+        return distributor.run(self.fn)
+
+    def pyspark(self, connect: bool) -> Any:
+        def call() -> Any:
+            # Built inside the block: it takes SparkSession.active() of the mode it runs in.
+            return common.pyspark_distributor(local_mode=False).run(self.fn)
+
+        def on_timeout() -> None:
+            if connect:
+                self.connect.interruptAll()
+                procs = self.server.descendants()
+            else:
+                self.classic.sparkContext.cancelAllJobs()
+                procs = psutil.Process().children(recursive=True)
+            for proc in procs:
+                with contextlib.suppress(psutil.Error):
+                    if any(m in " ".join(proc.cmdline()) for m in RANK_MARKERS):
+                        proc.kill()
+
+        return common.run_with_timeout(call, self.timeout, on_timeout)
+
+    def build(self, name: str) -> Callable[[], Any]:
+        connect = name.endswith("_connect")
+        if name.startswith("ours"):
+            session = self.connect if connect else self.classic
+
+            def run() -> Any:
+                return self.ours(session)
+
+        elif name.startswith("pyspark"):
+
+            def run() -> Any:
+                return self.pyspark(connect)
+
+        else:
+            raise ValueError(f"unknown variant {name!r}")
+        root = self.server.process.pid if connect else os.getpid()
+
+        def census() -> dict[str, Any]:
+            # A run that finds Spark's Python workers gone pays for new ones.
+            before = python_workers(root)
+            if connect:
+                with connect_mode():
+                    value = run()
+            else:
+                value = run()
+            return {"value": value, "new_python_workers": len(python_workers(root) - before)}
+
+        return census
+
+
+def check_value(name: str, value: Any) -> dict[str, Any]:
+    """Every variant must return the all-reduced 3.0 (1 + 2)."""
+    if value["value"] != 3.0:
+        raise AssertionError(f"{name} returned {value['value']!r}, expected 3.0")
+    return {"new_python_workers": value["new_python_workers"]}
+
+
+# -- output ----------------------------------------------------------------------------------
+def first_error(summary: dict[str, Any]) -> str | None:
+    """The first error of a variant, on one line, shortened for a table cell."""
+    errors = summary.get("errors") or []
+    if not errors:
+        return None
+    line = errors[0].splitlines()[0]
+    return line if len(line) <= 60 else line[:57] + "..."
+
+
+def write_json(path: Path, payload: dict[str, Any], machine: dict[str, Any]) -> None:
+    """Like ``common.write_results``, to a path of one's choosing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = {"benchmark": NAME, "machine": machine, "argv": sys.argv[1:], **payload}
+    path.write_text(json.dumps(document, indent=2, default=str) + "\n")
+    print(f"\nwrote {path}")
+
+
+def report(series: dict[str, common.Series], variants: list[str], repeats: int) -> dict[str, Any]:
+    """Print the tables; return the per-variant summaries and the ratios."""
+    summaries = {name: series[name].summary() for name in variants}
+    base = summaries.get(BASELINE, {}).get("median_s")
+    rows = []
+    for name, s in summaries.items():
+        s["ratio_vs_ours_classic"] = ratio(s["median_s"], base)
+        s["new_python_workers"] = [e.get("new_python_workers") for e in series[name].extra]
+        error = first_error(s)
+        failed = f", {len(s['errors'])} failed" if s["errors"] else ""
+        rows.append(
+            [
+                name,
+                s["median_s"] if s["runs"] else error,
+                s["min_s"],
+                s["max_s"],
+                s["ratio_vs_ours_classic"],
+                s["driver_cpu_median_s"],
+                f"{s['runs']} ok{failed}",
+                sum(1 for n in s["new_python_workers"] if n),
+            ]
+        )
+    print_table(
+        f"Connect launch: trivial 2-rank all-reduce, barrier mode on {MASTER}, "
+        f"medians of {repeats} (s)",
+        ["variant", "median", "min", "max", "x ours_classic", "driver CPU s", "runs", "fresh py"],
+        rows,
+    )
+
+    def med(name: str) -> float | None:
+        return summaries.get(name, {}).get("median_s")
+
+    ratios = {
+        "ours: connect / classic": ratio(med("ours_connect"), med("ours_classic")),
+        "pyspark: connect / classic": ratio(med("pyspark_connect"), med("pyspark_classic")),
+        "classic: pyspark / ours": ratio(med("pyspark_classic"), med("ours_classic")),
+        "connect: pyspark / ours": ratio(med("pyspark_connect"), med("ours_connect")),
+    }
+    print_table("Ratios of medians", ["ratio", "x"], list(ratios.items()))
+    print(
+        "driver CPU s: CPU seconds of this process (the Spark client; barrier ranks run under a "
+        "JVM)\nfresh py: runs that found Spark's Python workers gone and paid for new ones"
+    )
+    return {"variants": summaries, "ratios": ratios}
+
+
+# -- main ------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}"
+    )
+    parser.add_argument("--timeout", type=float, default=300, help="per run, seconds")
+    parser.add_argument("--server-timeout", type=float, default=120, help="server start, seconds")
+    parser.add_argument("--settle", type=float, default=0.5, help="seconds of pause between runs")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"write the JSON here (default: benchmarks/results/{NAME}.json)",
+    )
+    args = parser.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
+
+    machine = common.machine_info()
+    workdir = Path(tempfile.mkdtemp(prefix="sparktorch-bench-connect-"))
+    log(f"starting a Spark Connect server on {MASTER} (log: {workdir / 'connect-server.log'})")
+    server = ConnectServer(workdir)
+    classic = connect = None
+    started = time.perf_counter()
+    try:
+        server.wait_listening(args.server_timeout)
+        connect = start_connect_session(server.url)
+        log(f"Connect server {server.url} up after {time.perf_counter() - started:.1f} s")
+        log(f"starting a {MASTER} SparkSession")
+        classic = common.start_spark(MASTER)
+        common.ship_by_value_for_pyspark(jobs)
+        launchers = Launchers(classic, connect, server, args.timeout)
+
+        def touch() -> None:
+            common.touch_python_workers(classic)
+            touch_connect_workers(connect)
+
+        series = common.alternate(
+            {name: launchers.build(name) for name in variants},
+            args.repeats,
+            warmup=args.warmup,
+            check=check_value,
+            settle_s=args.settle,
+            before_each=touch,
+        )
+        payload = {
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "master": MASTER,
+            "baseline": BASELINE,
+            **report(series, variants, args.repeats),
+            "notes": (
+                "One process holds the classic local[2] session and the Connect client (to a "
+                "Connect server on local[2] started by the benchmark); the Connect variants "
+                f"run with {CONNECT_ENV}=1, the classic ones without. Python workers of both "
+                "are kept warm by a tiny job before every run."
+            ),
+        }
+    finally:
+        if connect is not None:
+            with contextlib.suppress(Exception):
+                connect.stop()
+        if classic is not None:
+            classic.stop()
+        server.stop()
+    if args.out is not None:
+        write_json(args.out, payload, machine)
+    else:
+        common.write_results(NAME, payload, machine)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

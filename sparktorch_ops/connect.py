@@ -1,0 +1,203 @@
+"""Barrier mode over Spark Connect: the stage through the DataFrame API, from a client with no JVM.
+
+A Connect client has no SparkContext: the stage is ``spark.range(n, numPartitions=n)`` (or the
+laid-out DataFrame input) ``.mapInArrow(task, ..., barrier=True)``, its rows are the tasks'
+reports plus any frames they relayed, and the job is stopped by ``interruptTag`` with the run's
+id. The tasks agree on the rendezvous port and data layout among themselves
+(``BarrierTask.coordinate_in_stage``): the client may be out of the executors' reach, and then
+each task relays its ranks' output, metrics and result with its report (:mod:`sparktorch_ops.
+relay`), replayed here into the run's collector before the stage counts as ended.
+
+A client cannot count the cluster's free slots: the master's own size is used where it fixes
+one (``local[N]``, ``local-cluster[N,C,M]``), and otherwise a start deadline (the run's
+``start_timeout``, else :data:`START_DEADLINE_S`) fails a stage whose tasks have not started,
+seen through the live channel or Spark Connect's progress reports.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from sparktorch_ops import channel
+from sparktorch_ops.barrier import STAGE_DDL, BarrierTask, TaskReport, stage_row_item, stage_rows
+from sparktorch_ops.dataframe import PreparedInput
+from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.launchers import BarrierLauncher
+from sparktorch_ops.payload import Payload
+from sparktorch_ops.planning import RunPlan
+from sparktorch_ops.relay import RelayedFrame, Replayer
+from sparktorch_ops.spark import (
+    conf_value,
+    connect_endpoint,
+    connect_server_reachable,
+    parse_master,
+)
+
+#: How long a Connect run waits for its barrier tasks to start when ``start_timeout`` is unset
+#: (Spark itself would retry a stage that lacks slots for about 10 minutes).
+START_DEADLINE_S = 120.0
+_INTERRUPT_WAIT_S = 5.0
+_SERVER_CHECK_S = 5.0
+
+
+def known_slots(session: Any) -> int | None:
+    """Barrier slots of the server's application when its master fixes them (``local[N]``,
+    ``local-cluster[N,C,M]``), else None (a cluster manager's executors come and go)."""
+    master = conf_value(session, "spark.master") or ""
+    try:
+        parsed = parse_master(master)
+    except ConfigError:
+        return None
+    task_cpus = int(conf_value(session, "spark.task.cpus") or "1")
+    inside = parsed.url[parsed.url.find("[") + 1 : -1] if "[" in parsed.url else ""
+    if parsed.kind == "local":
+        if not inside:
+            return 1 // task_cpus
+        threads = inside.split(",")[0]
+        if threads == "*":
+            return None  # the server's core count: not known here
+        return int(threads) // task_cpus
+    if parsed.kind == "local-cluster":
+        workers, cores = (int(part) for part in inside.split(",")[:2])
+        return workers * (cores // task_cpus)
+    return None
+
+
+class ConnectBarrierLauncher(BarrierLauncher):
+    """One barrier stage over a Spark Connect session (see the module).
+
+    Args:
+        plan: the run plan (barrier mode).
+        payload: what the ranks run.
+        secret: the run's secret (inside the Spark task, never in an environment).
+        session: the Spark Connect session.
+        release: closes the driver's channel (the tasks no longer wait for it; kept so that
+            live tasks end as on a classic session).
+        handler: the run's collector, fed the frames that tasks relayed.
+        on_unreachable: called once, with the reasons by task, when some task could not reach
+            the driver's channel and relayed instead.
+        data: DataFrame input, laid out over the tasks (None: none).
+    """
+
+    def __init__(
+        self,
+        plan: RunPlan,
+        payload: Payload,
+        secret: str,
+        session: Any,
+        release: Callable[[], None],
+        handler: channel.ChannelHandler,
+        on_unreachable: Callable[[dict[int, str]], None],
+        data: PreparedInput | None = None,
+    ) -> None:
+        super().__init__(plan, payload, secret, session, release, data)
+        self._task = BarrierTask(
+            plan=plan,
+            secret=secret,
+            payload=payload,
+            data_schema=data.facts.schema_json if data is not None else None,
+            coordinate_in_stage=True,
+        )
+        self._session = session
+        self._handler = handler
+        self._on_unreachable = on_unreachable
+        self._job_thread: int | None = None
+        self._stage_started = False
+        self._next_server_check = time.monotonic() + _SERVER_CHECK_S
+        self._server_misses = 0
+
+    @property
+    def stage_started(self) -> bool:
+        """Whether Spark Connect reported every barrier task running (sticky)."""
+        return self._stage_started
+
+    def _progress(
+        self, stages: Iterable[Any] | None, inflight_tasks: int, *_: Any, **__: Any
+    ) -> None:
+        """A progress report of the session's operation: the stage has started once a stage
+        of as many tasks as the run's is unfinished with that many tasks running."""
+        if threading.get_ident() != self._job_thread or stages is None:
+            return
+        num_tasks = self._plan.layout.num_tasks
+        running = [s for s in stages if not s.done and s.num_tasks == num_tasks]
+        if running and inflight_tasks >= num_tasks:
+            self._stage_started = True
+
+    def _submit(self) -> list[TaskReport]:
+        spark, plan = self._session, self._plan
+        num_tasks = plan.layout.num_tasks
+        self._job_thread = threading.get_ident()
+        spark.addTag(plan.run_id)  # tags of a Connect session are per thread
+        spark.registerProgressHandler(self._progress)
+        try:
+            if self._data is not None:
+                frame = self._data.laid_out(num_tasks)
+            else:
+                frame = spark.range(num_tasks, numPartitions=num_tasks)
+            table = frame.mapInArrow(stage_rows(self._task), STAGE_DDL, barrier=True).toArrow()
+        finally:
+            spark.removeProgressHandler(self._progress)
+            spark.removeTag(plan.run_id)
+        return self._read(table)
+
+    def _read(self, table: Any) -> list[TaskReport]:
+        """The tasks' reports; relayed frames go to the collector, every task's merged in the
+        order the relays received them."""
+        reports: list[TaskReport] = []
+        relayed: list[tuple[int, RelayedFrame]] = []
+        for batch in table.to_batches():
+            for row in batch.to_pylist():
+                node, item = stage_row_item(row)
+                if isinstance(item, TaskReport):
+                    reports.append(item)
+                else:
+                    relayed.append((node, item))
+        del table
+        hosts = {report.node: report.host for report in reports}
+        replayer = Replayer(self._handler)
+        relayed.sort(key=lambda entry: entry[1].time)  # stable: a task's own order holds
+        for node, frame in relayed:
+            replayer.feed(node, frame, hosts.get(node, ""))
+        replayer.finish()
+        unreachable = {r.node: r.unreachable for r in reports if r.unreachable}
+        if unreachable:
+            self._on_unreachable(unreachable)
+        return reports
+
+    def look_for_cause(self) -> None:
+        """Tasks were lost: is the server still there? (asked at the next poll)"""
+        self._next_server_check = 0.0
+
+    def poll(self) -> tuple[int, str] | None:
+        """As a classic stage's; besides, a Connect server that stops answering ends the run
+        (its client would retry for many minutes before the stage's call fails)."""
+        status = super().poll()
+        if status is not None or time.monotonic() < self._next_server_check:
+            return status
+        self._next_server_check = time.monotonic() + _SERVER_CHECK_S
+        if connect_server_reachable(self._session):
+            self._server_misses = 0
+            return None
+        self._server_misses += 1
+        if self._server_misses < 2:
+            self._next_server_check = time.monotonic() + 1.0  # look again soon
+            return None
+        host, port = connect_endpoint(self._session)
+        self.spark_error = f"lost the Spark Connect server at {host}:{port} (it stopped answering)"
+        self.spark_error_detail = self.spark_error
+        return 1, self.spark_error
+
+    def _cancel(self) -> None:
+        """Interrupt the stage by the run's tag, waiting at most a few seconds (the client
+        retries for minutes when the server is gone; the tasks then stop with the channel)."""
+        interrupt = threading.Thread(
+            target=self._session.interruptTag, args=(self._plan.run_id,), daemon=True
+        )
+        interrupt.start()
+        interrupt.join(_INTERRUPT_WAIT_S)
+
+
+__all__ = ["START_DEADLINE_S", "ConnectBarrierLauncher", "known_slots"]

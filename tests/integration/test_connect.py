@@ -1,0 +1,316 @@
+"""Barrier mode over Spark Connect, against a real Connect server on local[2].
+
+Each behaviour runs twice where it matters: with the executors reaching this process's channel
+(live logs and metrics) and with the channel advertised at an address they cannot reach
+(``channel_host`` in TEST-NET-1), where every task relays its ranks' frames with its result.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sparktorch_ops import (
+    ConfigError,
+    ResourceError,
+    TorchDistributor,
+    TrainingCancelledError,
+    TrainingFailedError,
+    TrainingTimeoutError,
+)
+from tests.support.connect_server import ConnectServer
+from tests.support.procs import wait_until_gone
+from tests.support.records import Collect
+
+pytestmark = pytest.mark.slow
+
+UNREACHABLE = "192.0.2.1"  # TEST-NET-1: no executor reaches it
+REACH = {"live": None, "relayed": UNREACHABLE}
+RELAYED_NOTE = "could not reach this client's channel"
+
+
+@pytest.fixture(scope="module")
+def connect(connect_server: ConnectServer) -> Iterator[Any]:
+    """A Spark Connect session to the server (beside the classic session of other tests)."""
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    session = ConnectSession.builder.remote(connect_server.url).getOrCreate()
+    yield session
+    session.stop()
+
+
+def ranks_on(connect: Any, reach: str, **options: Any) -> TorchDistributor:
+    """Two barrier ranks over the Connect session, the channel reachable or not."""
+    return TorchDistributor(
+        num_processes=2,
+        local_mode=False,
+        use_gpu=False,
+        spark=connect,
+        channel_host=REACH[reach],
+        **options,
+    )
+
+
+def _logger(name: str) -> tuple[logging.Logger, Collect]:
+    logger = logging.getLogger(f"tests.connect.{name}")
+    logger.propagate = False
+    logger.setLevel(logging.DEBUG)
+    collect = Collect()
+    logger.handlers = [collect]
+    return logger, collect
+
+
+def all_reduce_and_report(scale: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    from sparktorch_ops import report
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    for step in range(3):
+        report(step, loss=1.0 / (step + 1), rank_seen=float(dist.get_rank()))
+    print(f"rank {dist.get_rank()} sees {total.item()}", flush=True)
+    dist.destroy_process_group()
+    return total.item() * scale
+
+
+@pytest.mark.parametrize("reach", ["live", "relayed"])
+def test_value_lines_and_metrics(connect: Any, reach: str) -> None:
+    logger, collect = _logger(f"value-{reach}")
+    result = ranks_on(connect, reach, logger=logger).launch(all_reduce_and_report, 10)
+    assert result.value == 30.0
+    assert result.exit_codes == {0: 0, 1: 0} and result.mode == "barrier"
+    assert [(m.rank, m.step) for m in result.metrics if m.rank == 0] == [(0, 0), (0, 1), (0, 2)]
+    assert {m.rank for m in result.metrics} == {0, 1}
+    messages = collect.messages()
+    assert any("rank 0 sees 3.0" in m for m in messages)
+    assert any("rank 1 sees 3.0" in m for m in messages)
+    assert result.app_id is not None and result.app_id.startswith("local-")
+    notes = [m for m in messages if RELAYED_NOTE in m]
+    if reach == "live":
+        assert notes == []
+    else:  # said once, with the reason and what to do
+        assert len(notes) == 1 and "channel_host" in notes[0] and UNREACHABLE in notes[0]
+        rank_lines = [r for r in collect.records if "sees 3.0" in r.getMessage()]
+        assert all(r.levelno == logging.INFO for r in rank_lines)
+
+
+def fail_on_rank_1() -> str:
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank 1 cannot go on")
+    time.sleep(1)
+    return "rank 0 done"
+
+
+@pytest.mark.parametrize("reach", ["live", "relayed"])
+def test_a_failing_rank_is_named_with_its_traceback(connect: Any, reach: str) -> None:
+    with pytest.raises(TrainingFailedError) as info:
+        ranks_on(connect, reach).run(fail_on_rank_1)
+    first = info.value.first_failure
+    assert first is not None and first.rank == 1
+    assert "ValueError: rank 1 cannot go on" in str(info.value)
+    assert "Traceback (most recent call last)" in first.output_tail
+    assert "fail_on_rank_1" in first.output_tail
+    assert wait_until_gone(None, 30) == []
+
+
+def sleep_long() -> None:
+    print("sleeping", flush=True)
+    time.sleep(600)
+
+
+def _run_id_recorder() -> tuple[list[str], Any]:
+    ids: list[str] = []
+    return ids, lambda event: ids.append(event.run_id)
+
+
+@pytest.mark.parametrize("reach", ["live", "relayed"])
+def test_cancel_stops_the_stage_and_leaves_no_process(connect: Any, reach: str) -> None:
+    ids, on_event = _run_id_recorder()
+    distributor = ranks_on(connect, reach, on_event=on_event)
+    threading.Timer(10, distributor.cancel).start()
+    started = time.monotonic()
+    with pytest.raises(TrainingCancelledError):
+        distributor.run(sleep_long)
+    assert time.monotonic() - started < 90
+    assert wait_until_gone(ids[0], 30) == [], "the ranks outlived the cancelled run"
+    assert connect.range(3).count() == 3  # the session is still usable
+
+
+def test_timeout_stops_the_ranks(connect: Any) -> None:
+    ids, on_event = _run_id_recorder()
+    with pytest.raises(TrainingTimeoutError):
+        ranks_on(connect, "live", timeout=20, on_event=on_event).run(sleep_long)
+    assert wait_until_gone(ids[0], 30) == []
+
+
+def slow_start_then_value() -> int:
+    time.sleep(12)
+    return int(os.environ["WORLD_SIZE"])
+
+
+def test_relayed_ranks_are_not_a_start_timeout(connect: Any) -> None:
+    """No rank reaches the channel, yet Connect's progress reports show the stage running:
+    a start_timeout shorter than the training must not stop it."""
+    value = ranks_on(connect, "relayed", start_timeout=8).run(slow_start_then_value)
+    assert value == 2
+
+
+def test_too_many_ranks_for_the_servers_master_fail_before_launch(connect: Any) -> None:
+    started = time.monotonic()
+    with pytest.raises(ResourceError, match="needs 3 barrier task slots"):
+        TorchDistributor(num_processes=3, local_mode=False, use_gpu=False, spark=connect).run(print)
+    assert time.monotonic() - started < 30
+
+
+def quarter_gib_bytes() -> bytes | None:
+    if int(os.environ["RANK"]) != 0:
+        return None
+    return bytes(range(256)) * (1 << 20)  # 256 MiB
+
+
+@pytest.mark.parametrize("reach", ["live", "relayed"])
+def test_a_256_mib_value_arrives_whole(connect: Any, reach: str) -> None:
+    value = ranks_on(connect, reach).run(quarter_gib_bytes)
+    assert isinstance(value, bytes) and len(value) == 256 << 20
+    assert value[:256] == bytes(range(256)) and value[-256:] == bytes(range(256))
+
+
+SCRIPT = """\
+import os, sys
+print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} args {sys.argv[1:]}")
+"""
+
+
+@pytest.mark.parametrize("reach", ["live", "relayed"])
+def test_a_script_runs_with_its_arguments(connect: Any, reach: str, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    output = ranks_on(connect, reach).run(str(script), "--lr=0.01")
+    assert "rank 0 of 2 args ['--lr=0.01']" in output
+
+
+def rows_seen(batch_size: int) -> list[list[int]]:
+    import torch.distributed as dist
+
+    from sparktorch_ops.data import partition_loader
+
+    dist.init_process_group("gloo")
+    ids: list[int] = []
+    for batch in partition_loader(batch_size):
+        ids += batch["id"].tolist()
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, ids)
+    dist.destroy_process_group()
+    return gathered
+
+
+@pytest.mark.parametrize("reach", ["live", "relayed"])
+def test_train_on_a_connect_dataframe(connect: Any, reach: str) -> None:
+    frame = connect.range(1001, numPartitions=5).selectExpr("id", "cast(id * 2 as double) AS x")
+    result = ranks_on(connect, reach).launch_on_dataframe(rows_seen, frame, 50)
+    first, second = (set(ids) for ids in result.value)
+    assert first.isdisjoint(second) and first | second == set(range(1001))
+    assert sorted(map(len, (first, second))) == [500, 501]
+    assert result.input is not None and result.input["rows"] == 1001
+
+
+NO_JVM_CLIENT = textwrap.dedent(
+    """
+    import sys, threading, time
+    import psutil
+    from pyspark.sql import SparkSession
+    from sparktorch_ops import TorchDistributor
+
+    def rank_count():
+        import os
+        return int(os.environ["WORLD_SIZE"])
+
+    javas = []
+    stop = threading.Event()
+    def watch():
+        me = psutil.Process()
+        while not stop.is_set():
+            javas.extend(p.pid for p in me.children(recursive=True) if "java" in p.name())
+            time.sleep(0.05)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    spark = SparkSession.builder.remote(sys.argv[1]).getOrCreate()
+    barrier = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(rank_count)
+    local = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(rank_count)
+    from pyspark import SparkContext
+    stop.set()
+    watcher.join()
+    print("RESULT", barrier, local, len(set(javas)), SparkContext._gateway is None)
+    """
+)
+
+
+def test_the_client_never_starts_a_jvm(connect_server: ConnectServer) -> None:
+    """In a process of its own (one that is a pure Connect client): barrier mode on the
+    active Connect session and local mode beside it, with no java process ever started."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SPARK_REMOTE",)}
+    client = subprocess.run(
+        [sys.executable, "-c", NO_JVM_CLIENT, connect_server.url],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert client.returncode == 0, client.stderr[-4000:]
+    result = [line for line in client.stdout.splitlines() if line.startswith("RESULT")]
+    assert result == ["RESULT 2 2 0 True"], client.stdout[-2000:]
+
+
+def test_an_unreachable_connect_url_fails_fast() -> None:
+    """The session factory (the operator's, the Prefect block's, the CLI's) refuses at once a
+    Connect URL nothing answers at, naming the setting and hiding the token."""
+    from sparktorch_ops.spark import SparkSettings, get_session
+
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="cannot reach the Spark Connect server") as info:
+        get_session(SparkSettings(master="sc://127.0.0.1:1/;token=hidden"))
+    assert info.value.argument == "spark_master" and "hidden" not in str(info.value)
+    assert time.monotonic() - started < 30
+
+
+def test_a_connect_server_that_dies_mid_run_fails_it(tmp_path: Path) -> None:
+    """The server's JVM is killed while the ranks train: the run fails within about a minute
+    (pyspark's client alone would retry for ~10), and no rank is left."""
+    import signal
+
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    from tests.support.connect_server import running_connect_server
+
+    with running_connect_server(tmp_path) as server:
+        session = ConnectSession.builder.remote(server.url).create()
+        ids, on_event = _run_id_recorder()
+        javas = [p for p in server.group_members() if p.name() == "java"]
+        threading.Timer(12, lambda: [p.send_signal(signal.SIGKILL) for p in javas]).start()
+        started = time.monotonic()
+        with pytest.raises(TrainingFailedError) as info:
+            TorchDistributor(
+                num_processes=2, local_mode=False, use_gpu=False, spark=session, on_event=on_event
+            ).run(sleep_long)
+        # The ranks die with the server's workers; when the tasks' loss is seen before the
+        # ranks' exits, the reason names the server.
+        message = str(info.value)
+        assert "signal SIGTERM" in message or "lost the Spark Connect server" in message
+        session.client.close()  # else its exit handler calls the dead server for minutes
+        assert time.monotonic() - started < 150
+        assert wait_until_gone(ids[0], 60) == []
