@@ -8,6 +8,8 @@ round), each a 2-rank ``jobs.allreduce`` (rank 0's all-reduced 3.0 comes back):
   on a ``local[2]`` session of this process (the baseline of the ratios);
 - ``ours_connect``: the same with ``spark=`` a Spark Connect session to a Connect server on
   ``local[2]``, which this benchmark starts (``spark-submit --class SparkConnectServer``);
+- ``ours_connect_relayed``: the same with ``channel_host`` an address no executor reaches, so
+  every task relays its ranks' frames with its rows instead of live;
 - ``pyspark_connect``: pyspark's ``TorchDistributor(num_processes=2, local_mode=False,
   use_gpu=False)`` with the Connect session active;
 - ``pyspark_classic``: pyspark's on the classic session.
@@ -24,8 +26,7 @@ The Connect server has its own JVM and Python workers, so the Connect variants p
 round trip per Spark call and the server's scheduling, not a second JVM start. Before each run
 a tiny job on each session keeps Spark's Python workers warm (Spark stops them after a minute
 idle). A variant that fails is recorded with its error (the table shows it in place of the
-median), and the others go on: on a tree without Connect support ``ours_connect`` records
-``ConfigError: ... Spark Connect sessions are not supported yet``.
+median), and the others go on.
 
     python benchmarks/connect_launch.py --repeats 5
 """
@@ -57,7 +58,15 @@ import jobs  # noqa: E402  (needs the benchmarks dir on sys.path, set just above
 
 NAME = "connect_launch"
 MASTER = "local[2]"
-VARIANTS = ("ours_classic", "ours_connect", "pyspark_connect", "pyspark_classic")
+VARIANTS = (
+    "ours_classic",
+    "ours_connect",
+    "ours_connect_relayed",
+    "pyspark_connect",
+    "pyspark_classic",
+)
+#: An address no executor reaches (TEST-NET-1): the tasks relay their ranks' frames instead.
+UNREACHABLE_CHANNEL = "192.0.2.1"
 BASELINE = "ours_classic"
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 CONNECT_ENV = "SPARK_CONNECT_MODE_ENABLED"
@@ -229,7 +238,7 @@ class Launchers:
         self.logger = common.quiet_logger()
         self.fn = functools.partial(jobs.allreduce, None, False)
 
-    def ours(self, session: Any) -> Any:
+    def ours(self, session: Any, channel_host: str | None = None) -> Any:
         from sparktorch_ops import TorchDistributor
 
         distributor = TorchDistributor(
@@ -239,6 +248,7 @@ class Launchers:
             spark=session,
             logger=self.logger,
             timeout=self.timeout,
+            channel_host=channel_host,
         )
         return distributor.run(self.fn)
 
@@ -262,12 +272,13 @@ class Launchers:
         return common.run_with_timeout(call, self.timeout, on_timeout)
 
     def build(self, name: str) -> Callable[[], Any]:
-        connect = name.endswith("_connect")
+        connect = "_connect" in name
         if name.startswith("ours"):
             session = self.connect if connect else self.classic
+            host = UNREACHABLE_CHANNEL if name.endswith("_relayed") else None
 
             def run() -> Any:
-                return self.ours(session)
+                return self.ours(session, host)
 
         elif name.startswith("pyspark"):
 
@@ -350,6 +361,7 @@ def report(series: dict[str, common.Series], variants: list[str], repeats: int) 
 
     ratios = {
         "ours: connect / classic": ratio(med("ours_connect"), med("ours_classic")),
+        "ours: relayed / live (connect)": ratio(med("ours_connect_relayed"), med("ours_connect")),
         "pyspark: connect / classic": ratio(med("pyspark_connect"), med("pyspark_classic")),
         "classic: pyspark / ours": ratio(med("pyspark_classic"), med("ours_classic")),
         "connect: pyspark / ours": ratio(med("pyspark_connect"), med("ours_connect")),

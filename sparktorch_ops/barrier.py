@@ -128,10 +128,11 @@ class BarrierTask:
     The tasks of a classic session learn the rendezvous port and the data layout from the
     driver, which holds the store until it has heard every agent exit. With
     ``coordinate_in_stage`` (Spark Connect, whose client the executors may not reach) they
-    agree on both among themselves (one ``allGather``) and wait for each other at a final
-    ``barrier()``; a task that cannot reach the driver's channel within
-    :data:`REACH_TIMEOUT_S` serves its ranks with a :class:`~sparktorch_ops.relay.Relay` and
-    yields the recorded frames after its report.
+    agree on both among themselves (one ``allGather``); a task that cannot reach the driver's
+    channel within :data:`REACH_TIMEOUT_S` serves its ranks with a
+    :class:`~sparktorch_ops.relay.Relay` and yields the recorded frames after its report. When
+    any task relays, the tasks also stop each other's agents (:class:`StopSignal`) and wait for
+    each other at a final ``barrier()`` instead of the driver.
     """
 
     plan: RunPlan
@@ -215,16 +216,19 @@ class BarrierTask:
                 client.send_message(port_message)
                 if port_message.error is not None and not self.coordinate_in_stage:
                     return TaskReport(node, hosts[node], None, port_message.error), relay
+            anyone_relays = False
             if self.coordinate_in_stage:
-                port, epoch_rows = self._agree(ctx, port_message, shard_rows)
+                port, epoch_rows, anyone_relays = self._agree(
+                    ctx, port_message, shard_rows, relay is not None
+                )
             else:
                 port, epoch_rows = self._from_driver(client, port_message)
             if epoch_rows is not None:
                 data_env[EPOCH_ROWS_ENV] = str(epoch_rows)
             endpoint = channel.join_address(hosts[0], port)
-            stop = None
-            if self.coordinate_in_stage:
-                stop = StopSignal(store, hosts[0], port, self.plan.run_id)
+            # With every task live the driver stops the agents and holds the store, as on a
+            # classic session; a relaying task needs the tasks to do both themselves.
+            stop = StopSignal(store, hosts[0], port, self.plan.run_id) if anyone_relays else None
             code = self._run_agent(
                 client, node, hosts[node], endpoint, gpus, workdir, data_env, relay, stop
             )
@@ -270,25 +274,27 @@ class BarrierTask:
         return port, epoch_rows
 
     def _agree(
-        self, ctx: Any, own: RendezvousPort | None, shard_rows: list[int] | None
-    ) -> tuple[int, int | None]:
-        """The rendezvous port and rows per epoch, agreed by the tasks themselves: one
-        ``allGather`` of task 0's port and every task's shard sizes."""
+        self, ctx: Any, own: RendezvousPort | None, shard_rows: list[int] | None, relays: bool
+    ) -> tuple[int, int | None, bool]:
+        """The rendezvous port, rows per epoch and whether any task relays, agreed by the
+        tasks themselves: one ``allGather`` of task 0's port and every task's shard sizes."""
         mine = {
             "port": own.port if own is not None else None,
             "error": own.error if own is not None else None,
             "rows": shard_rows,
+            "relays": relays,
         }
         gathered = [json.loads(message) for message in ctx.allGather(json.dumps(mine))]
         first = gathered[0]
         if first["port"] is None:
             raise channel.ChannelError(f"no rendezvous store: {first['error']}")
+        anyone_relays = any(g["relays"] for g in gathered)
         if self.data_schema is None:
-            return int(first["port"]), None
+            return int(first["port"]), None, anyone_relays
         layout = DataLayout.for_shards({n: g["rows"] for n, g in enumerate(gathered)})
         if layout.epoch_rows is None:
             raise channel.ChannelError(f"no data layout: {layout.error}")
-        return int(first["port"]), layout.epoch_rows
+        return int(first["port"]), layout.epoch_rows, anyone_relays
 
     def _run_agent(
         self,
@@ -341,7 +347,7 @@ class BarrierTask:
             client.send_message(ExitReport(exit_code=code, time=time.time()))
         except channel.ChannelError:
             return code
-        if node == 0 and not self.coordinate_in_stage:
+        if node == 0 and stop is None:
             # This task's process hosts the rendezvous store: keep it until the driver has
             # heard from every agent (it then closes the channel), so no agent loses the
             # store while it is still shutting down.
