@@ -782,6 +782,17 @@ def render_summary(docs: dict[str, dict[str, Any]]) -> str:
                 "-",
             ]
         )
+    connect = (docs.get("connect_launch") or {}).get("ratios", {})
+    if connect.get("connect: pyspark / ours") is not None:
+        rows.append(
+            [
+                "launch over Spark Connect (trivial all-reduce, barrier)",
+                "pyspark's time / ours (ours over Connect / over a classic session)",
+                f"{_num(connect['connect: pyspark / ours'], suffix='x')} "
+                f"({_num(connect.get('ours: connect / classic'), suffix='x')})",
+                "-",
+            ]
+        )
     machine = next(iter(docs.values()), {}).get("machine", {})
     repeats = sorted(
         {
