@@ -16,6 +16,7 @@ seen through the live channel or Spark Connect's progress reports.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -193,11 +194,14 @@ class ConnectBarrierLauncher(BarrierLauncher):
     def _cancel(self) -> None:
         """Interrupt the stage by the run's tag, waiting at most a few seconds (the client
         retries for minutes when the server is gone; the tasks then stop with the channel)."""
-        interrupt = threading.Thread(
-            target=self._session.interruptTag, args=(self._plan.run_id,), daemon=True
-        )
-        interrupt.start()
-        interrupt.join(_INTERRUPT_WAIT_S)
+
+        def interrupt() -> None:
+            with contextlib.suppress(Exception):  # a server gone: nothing left to interrupt
+                self._session.interruptTag(self._plan.run_id)
+
+        interrupt_thread = threading.Thread(target=interrupt, daemon=True)
+        interrupt_thread.start()
+        interrupt_thread.join(_INTERRUPT_WAIT_S)
 
 
 __all__ = ["START_DEADLINE_S", "ConnectBarrierLauncher", "known_slots"]
