@@ -8,6 +8,7 @@ block, the CLI) goes through :func:`get_session` and :func:`stop_session`.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import socket
 import sys
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sparktorch_ops import jvm_log
 from sparktorch_ops.errors import ConfigError, StartTimeoutError
 from sparktorch_ops.planning import check_slots, registration_grace
 
@@ -250,8 +252,10 @@ def get_session(settings: SparkSettings, log: Any = None) -> SessionHandle:
 
     A process has one SparkContext: when one is running it is reused, settings that cannot
     apply to it are named in a warning, and runtime SQL settings are applied to it. A session
-    started here has Spark's console progress bar off (it would go to raw stderr, not the
-    task log) and, on an in-process master, the driver on loopback.
+    started here has Spark's console progress bar off and, on an in-process master, the driver
+    on loopback; when it starts the JVM, the JVM's console output (log4j lines, its own
+    warnings, Python workers' prints) becomes records of ``log`` at Spark's levels instead of
+    raw stderr (:mod:`sparktorch_ops.jvm_log`), and stays routed to the latest run's logger.
 
     Raises:
         ConfigError: the session could not start.
@@ -264,6 +268,7 @@ def get_session(settings: SparkSettings, log: Any = None) -> SessionHandle:
         return _connect_session(settings, log)
     active = active_session()
     if active is not None:
+        jvm_log.route_to(log)
         _reuse(active, settings, log)
         return SessionHandle(active, created=False)
     from pyspark import SparkContext
@@ -282,7 +287,15 @@ def get_session(settings: SparkSettings, log: Any = None) -> SessionHandle:
         "sparktorch_ops: starting a SparkSession (master %s)",
         settings.master or "from the environment",
     )
+    jvm_log.route_to(log)
     try:
+        if jvm_started and "PYSPARK_GATEWAY_PORT" not in os.environ:
+            # The JVM's console output becomes log records, not raw stderr (which Airflow's
+            # task supervisor logs at ERROR); spark-submit gets the same --conf as the builder's.
+            gateway = jvm_log.launch_gateway(
+                (key, str(value)) for key, value in builder._options.items()
+            )
+            SparkContext._ensure_initialized(gateway=gateway)
         session = builder.getOrCreate()
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -420,6 +433,7 @@ def stop_session(handle: SessionHandle) -> None:
     sc = handle.session.sparkContext
     jvm = sc._jvm
     handle.session.stop()
+    jvm_log.route_to(None)  # the run's logger may be gone with the run (a task's adapter)
     if handle.jvm_started and jvm is not None:
         for key in handle.keys:
             try:
