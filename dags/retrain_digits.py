@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,11 @@ from sparktorch_ops.airflow import TorchDistributorOperator
 # resolve(): the file may be reached through a symlink in another DAGs folder.
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = str(REPO / "examples")
-DEFAULT_STATE = os.environ.get("SPARKTORCH_STATE", str(REPO / ".state"))
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)
+
+import pipeline  # noqa: E402  (the steps and defaults both pipelines share)
+
 log = logging.getLogger("airflow.task")
 # Where the operator writes the trained weights; load_result reads only from under it.
 RESULTS = "{{ params.state }}/runs"
@@ -67,17 +70,12 @@ def train_digits(**kwargs: Any) -> dict[str, Any]:
     return result
 
 
-def _spark_conf() -> dict[str, str]:
-    _examples()
-    import pipeline
-
-    return dict(pipeline.SPARK_CONF)
-
+defaults = pipeline.DEFAULTS
 
 with DAG(
     dag_id="retrain_digits",
     description="Retrain the digits CNN with DDP on Spark; promote it in MLflow if it is better",
-    schedule="0 3 * * *",
+    schedule=pipeline.SCHEDULE,
     start_date=pendulum.datetime(2025, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
@@ -88,10 +86,21 @@ with DAG(
         "retry_delay": datetime.timedelta(minutes=5),
     },
     params={
-        "state": Param(DEFAULT_STATE, type="string", description="pipeline state directory"),
-        "epochs": Param(10, type="integer", minimum=1, description="training epochs"),
-        "lr": Param(0.05, type="number", exclusiveMinimum=0, description="SGD learning rate"),
-        "seed": Param(0, type="integer", description="data split and initialisation seed"),
+        "state": Param(
+            pipeline.default_state(), type="string", description="pipeline state directory"
+        ),
+        "epochs": Param(defaults["epochs"], type="integer", minimum=1, description="epochs"),
+        "lr": Param(defaults["lr"], type="number", exclusiveMinimum=0, description="SGD rate"),
+        "batch_size": Param(
+            defaults["batch_size"], type="integer", minimum=1, description="per-rank batch size"
+        ),
+        "seed": Param(defaults["seed"], type="integer", description="split and init seed"),
+        "num_processes": Param(
+            defaults["num_processes"],
+            type="integer",
+            minimum=1,
+            description="DDP ranks, one per barrier task (the embedded Spark has 2 slots)",
+        ),
     },
     tags=["sparktorch_ops", "ml"],
     doc_md=__doc__,
@@ -100,9 +109,6 @@ with DAG(
     @task
     def append_data(state: str, day: str, seed: int) -> dict[str, Any]:
         """Append the day's rows to the Parquet table (embedded Spark); write the held-out split."""
-        _examples()
-        import pipeline
-
         written = pipeline.append_day_on_embedded_spark(state, day, seed=int(seed))
         log.info("%(day_rows)d rows for %(ds)s in %(table)s (%(days)d days)", written)
         return written
@@ -113,9 +119,6 @@ with DAG(
     def champion(state: str) -> dict[str, Any]:
         """MLflow's tracking URI and experiment, and the champion's weights as a local file
         (training warm-starts from it; the ranks never call MLflow)."""
-        _examples()
-        import pipeline
-
         pipeline.ensure_experiment(state)
         current = pipeline.champion(state)
         weights = pipeline.champion_file(state)
@@ -143,15 +146,16 @@ with DAG(
         train_kwargs={
             "epochs": "{{ params.epochs }}",
             "lr": "{{ params.lr }}",
+            "batch_size": "{{ params.batch_size }}",
             "seed": "{{ params.seed }}",
         },
         # Every day up to this run's logical date; Spark lays the rows out over the ranks.
         input_sql="SELECT pixels, label FROM parquet.`"
         "{{ ti.xcom_pull(task_ids='append_data')['table'] }}` WHERE ds <= '{{ ds }}'",
-        num_processes=2,
+        num_processes="{{ params.num_processes }}",
         local_mode=False,
         use_gpu=False,
-        spark_conf=_spark_conf(),
+        spark_conf=dict(pipeline.SPARK_CONF),
         # The champion's weights before epoch 0; a retry of this task resumes from its own
         # checkpoints instead (under result_location, kept across tries).
         warm_start_from="{{ ti.xcom_pull(task_ids='champion')['weights'] }}",
@@ -167,9 +171,6 @@ with DAG(
     @task
     def evaluate(summary: dict[str, Any], data: dict[str, Any], results: str) -> dict[str, float]:
         """Accuracy and loss of the trained weights on the held-out split."""
-        _examples()
-        import pipeline
-
         from sparktorch_ops.airflow import load_result
 
         trained = load_result(summary, result_location=results)
@@ -184,9 +185,6 @@ with DAG(
     ) -> dict[str, Any]:
         """Log the model and scores on the training's MLflow run, register a new version and
         move ``champion`` to it only if it beats the champion."""
-        _examples()
-        import pipeline
-
         from sparktorch_ops.airflow import load_result
 
         trained = load_result(summary, result_location=results)

@@ -17,18 +17,36 @@ noise; the test split never enters the table.
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+# ddp_train (and torch) is imported in the functions that need it: a scheduler parsing the
+# DAG imports this module and should not pay for torch.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ddp_train import DigitsCNN, load_digits
+# MLflow points its loggers at raw stderr, which Airflow's task supervisor records at ERROR:
+# leave them to the process's logging (the task log), at their own levels.
+os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
+log = logging.getLogger(__name__)
 
 # Embedded Spark for the pipelines: 2 task slots on this machine, so 2 barrier ranks.
 SPARK_CONF = {"spark.master": "local[2]"}
+# What both pipelines run by default, nightly at 03:00 (the DAG's params, the flow's arguments).
+SCHEDULE = "0 3 * * *"
+DEFAULTS: dict[str, Any] = {
+    "epochs": 10,
+    "lr": 0.05,
+    "batch_size": 64,
+    "seed": 0,
+    "num_processes": 2,
+}
+#: The environment variable naming the state directory of both pipelines.
+STATE_ENV = "SPARKTORCH_STATE"
 ROWS_PER_DAY = 600
 # MLflow: the experiment of the training runs, the registered model and its serving alias.
 EXPERIMENT = "retrain-digits"
@@ -36,9 +54,15 @@ MODEL_NAME = "digits-cnn"
 CHAMPION = "champion"
 
 
+def default_state() -> str:
+    """The pipelines' state directory: ``$SPARKTORCH_STATE``, else ``<repo>/.state``."""
+    return os.environ.get(STATE_ENV) or str(Path(__file__).resolve().parents[1] / ".state")
+
+
 def prepare_data(state: str, seed: int = 0) -> str:
     """Write the train/test split of scikit-learn's digits (fixed seed); return its path."""
     import numpy as np
+    from ddp_train import load_digits
 
     path = Path(state) / "data" / f"digits-{seed}.npz"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,6 +132,7 @@ def evaluate(state_dict: dict[str, Any], data_path: str) -> dict[str, float]:
     """Test accuracy and loss of the weights on the held-out split."""
     import torch
     import torch.nn.functional as F
+    from ddp_train import DigitsCNN, load_digits
 
     data = load_digits(data_path=data_path)
     model = DigitsCNN()
@@ -146,6 +171,38 @@ def using_tracking_uri(state: str) -> Iterator[str]:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
         else:
             os.environ["MLFLOW_TRACKING_URI"] = saved
+
+
+class _LinesToLog(io.TextIOBase):
+    """A text stream whose lines become INFO records of ``log``."""
+
+    def __init__(self) -> None:
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        *lines, self._pending = self._pending.split("\n")
+        for line in lines:
+            if line.strip():
+                log.info("%s", line)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending.strip():
+            log.info("%s", self._pending)
+        self._pending = ""
+
+
+@contextlib.contextmanager
+def notices_logged() -> Iterator[None]:
+    """Send what a block prints to stderr to the log at INFO: MLflow prints its notices
+    ("Successfully registered model ...", "Created version ...") there, not to a logger."""
+    stream = _LinesToLog()
+    try:
+        with contextlib.redirect_stderr(stream):
+            yield
+    finally:
+        stream.flush()
 
 
 def ensure_experiment(state: str) -> str:
@@ -208,6 +265,7 @@ def publish(
     import mlflow
     import numpy as np
     import torch
+    from ddp_train import DigitsCNN
     from mlflow.tracking import MlflowClient
 
     uri = tracking_uri(state)
@@ -225,7 +283,7 @@ def publish(
     active_experiment = fluent._active_experiment_id
     fluent._active_experiment_id = experiment_id
     try:
-        with using_tracking_uri(state), mlflow.start_run(run_id=run_id):
+        with using_tracking_uri(state), mlflow.start_run(run_id=run_id), notices_logged():
             info = mlflow.pytorch.log_model(
                 model,
                 name="model",

@@ -10,8 +10,9 @@ examples/pipeline.py's. Each flow run is one MLflow run (experiment ``retrain-di
 training run nested under it (its metric curves, logged by the driver); the model and its
 held-out scores are logged on the flow's run, registered as a new version of ``digits-cnn``, and
 the ``champion`` alias moves to it only when its accuracy is higher. Training warm-starts from
-the champion. Everything lives under ``--state`` (MLflow: ``MLFLOW_TRACKING_URI`` when set,
-else ``<state>/mlflow.db``).
+the champion. Everything lives under ``--state`` (default ``$SPARKTORCH_STATE``, else
+``<repo>/.state``, as for the DAG; MLflow: ``MLFLOW_TRACKING_URI`` when set, else
+``<state>/mlflow.db``). Defaults and schedule are examples/pipeline.py's, shared with the DAG.
 
     python flows/retrain_digits.py --once            # one run now (Prefect's ephemeral server)
     python flows/retrain_digits.py --once --day 2025-03-01     # the run for a past day
@@ -42,7 +43,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 import ddp_train  # noqa: E402
 import pipeline  # noqa: E402
 
-DEFAULT_STATE = str(ROOT / ".state")
+DEFAULT_STATE = pipeline.default_state()  # $SPARKTORCH_STATE, else <repo>/.state (as the DAG)
+DEFAULTS = pipeline.DEFAULTS
 
 # The training task as this flow uses it: its own name (and so artifact keys train-digits-*),
 # one retry of the whole distributed job, and an upper bound on its time.
@@ -105,11 +107,11 @@ def _scheduled_day() -> str:
 @flow(name="retrain-digits")
 def retrain_digits(
     state: str = DEFAULT_STATE,
-    epochs: int = 10,
-    lr: float = 0.05,
-    batch_size: int = 64,
-    seed: int = 0,
-    num_processes: int = 2,
+    epochs: int = DEFAULTS["epochs"],
+    lr: float = DEFAULTS["lr"],
+    batch_size: int = DEFAULTS["batch_size"],
+    seed: int = DEFAULTS["seed"],
+    num_processes: int = DEFAULTS["num_processes"],
     day: str | None = None,
 ) -> dict[str, Any]:
     """Retrain the digits model with DDP on Spark and register it, promoting it if better.
@@ -168,16 +170,24 @@ def main(argv: list[str] | None = None) -> int:
     """Run the flow once (``--once``) or serve it on a cron schedule."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--once", action="store_true", help="run the flow once and exit")
-    parser.add_argument("--state", default=DEFAULT_STATE, help="pipeline state directory")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--num-processes", type=int, default=2)
+    parser.add_argument(
+        "--state", default=DEFAULT_STATE, help="pipeline state directory ($SPARKTORCH_STATE)"
+    )
+    parser.add_argument("--epochs", type=int, default=DEFAULTS["epochs"])
+    parser.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    parser.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
+    parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    parser.add_argument("--num-processes", type=int, default=DEFAULTS["num_processes"])
     parser.add_argument("--day", default=None, help="YYYY-MM-DD (default: the run's day)")
-    parser.add_argument("--cron", default="0 3 * * *", help="schedule when serving")
+    parser.add_argument("--cron", default=pipeline.SCHEDULE, help="schedule when serving")
     parser.add_argument("--name", default="nightly", help="deployment name when serving")
     args = parser.parse_args(argv)
-    params = {
+    params: dict[str, Any] = {
         "state": str(Path(args.state).resolve()),
         "epochs": args.epochs,
+        "lr": args.lr,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
         "num_processes": args.num_processes,
     }
     if args.day:

@@ -27,9 +27,14 @@ def test_example_dag_loads_without_import_errors() -> None:
         "evaluate": ["publish"],
         "publish": [],
     }
+    import pipeline  # examples/: on sys.path once the DAG file is parsed
+
     train = dag.get_task("train")
     assert type(train).__name__ == "TorchDistributorOperator"
-    assert (train.num_processes, train.local_mode, train.use_gpu) == (2, False, False)
+    assert (train.local_mode, train.use_gpu) == (False, False)
+    assert train.num_processes == "{{ params.num_processes }}"
+    assert {name: dag.params[name] for name in pipeline.DEFAULTS} == pipeline.DEFAULTS
+    assert dag.params["state"] == pipeline.default_state()
     assert train.spark_conf["spark.master"] == "local[2]"
     assert "WHERE ds <= '{{ ds }}'" in train.input_sql
 
