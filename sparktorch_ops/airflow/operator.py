@@ -295,7 +295,8 @@ class TorchDistributorOperator(BaseOperator):
         to read an ``input_*``)."""
         local_only = self.local_mode and self._data_input() is None
         if local_only and self.conn_id == DEFAULT_CONN_ID:
-            return SparkSettings()
+            # Unused; given, the core warns that local mode does not use it.
+            return self._settings(None, self.spark_conf)
         try:
             connection = resolve_connection(self.conn_id, self.log)
         except (MissingConnectionError, ValueError) as exc:
@@ -306,7 +307,7 @@ class TorchDistributorOperator(BaseOperator):
                 "connection %r is not used",
                 self.conn_id,
             )
-            return SparkSettings()
+            return self._settings(None, self.spark_conf)
         if connection.conn_id is not None:
             self.log.info(
                 "sparktorch_ops: Spark master %s from connection %s",
@@ -319,6 +320,9 @@ class TorchDistributorOperator(BaseOperator):
         master = (
             None if connection.conn_id is None and "spark.master" in conf else connection.master
         )
+        return self._settings(master, conf)
+
+    def _settings(self, master: str | None, conf: Mapping[str, Any]) -> SparkSettings:
         try:
             return SparkSettings(
                 master=master, conf=conf, app_name=f"airflow-{self.dag_id}-{self.task_id}"

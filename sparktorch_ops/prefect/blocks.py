@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from prefect.blocks.core import Block
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from sparktorch_ops import spark as spark_support
 
@@ -67,8 +67,18 @@ class SparkCluster(Block):
     def _check_conf(cls, value: object) -> dict[str, str]:
         return spark_support.validate_conf(value, "conf")
 
+    @model_validator(mode="after")
+    def _one_master(self) -> SparkCluster:
+        # A spark.master in conf is either the block's master or a mistake: never ignored.
+        self.settings()
+        return self
+
     def settings(self, extra_conf: dict[str, str] | None = None) -> spark_support.SparkSettings:
-        """The core's session settings for this cluster (``extra_conf`` over the block's)."""
+        """The core's session settings for this cluster (``extra_conf`` over the block's).
+
+        Raises:
+            ConfigError: a ``spark.master`` in the conf that contradicts ``master``.
+        """
         conf = dict(self.conf)
         if self.history_server_url:
             conf.setdefault(spark_support.HISTORY_SERVER_CONF, self.history_server_url)

@@ -44,7 +44,7 @@ from sparktorch_ops.prefect.results import (
     retry_unless_bad_input,
 )
 from sparktorch_ops.results import latest_values
-from sparktorch_ops.spark import SparkSettings
+from sparktorch_ops.spark import SparkSettings, validate_conf
 from sparktorch_ops.spec import DEFAULT_MAX_RESULT_BYTES
 
 TrainObject = Callable[..., Any] | str | os.PathLike[str]
@@ -64,7 +64,8 @@ def _spark_settings(
         cluster = load_block(SparkCluster, cluster, "cluster")
     if not isinstance(cluster, SparkCluster):
         raise ConfigError("cluster", f"must be a SparkCluster block or its name, got {cluster!r}")
-    return cluster.settings(SparkSettings(conf=conf or {}).conf)  # type: ignore[arg-type]
+    # spark.master stays in: the block's settings refuse one that contradicts its master.
+    return cluster.settings(validate_conf(conf, "spark_conf"))
 
 
 @task(

@@ -369,3 +369,27 @@ def test_mlflow_tracking_uri_from_a_connection(monkeypatch: pytest.MonkeyPatch) 
     )
     assert mlflow_uri_from_connection("mlflow_extra", log) == "databricks"
     assert mlflow_uri_from_connection("no_such_mlflow_connection", log) is None
+
+
+def test_spark_conf_in_local_mode_reaches_the_core_which_says_it_is_unused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Never dropped silently: local mode passes spark_conf on, and the core warns."""
+    import logging
+
+    from sparktorch_ops.airflow import TorchDistributorOperator
+    from sparktorch_ops.distributor import launch_job
+    from sparktorch_ops.job import build_job
+
+    def fn() -> int:
+        return 7
+
+    operator = TorchDistributorOperator(
+        task_id="t", train=fn, use_gpu=False, spark_conf={"spark.executor.memory": "2g"}
+    )
+    settings = operator._spark_settings()
+    assert settings.configured and settings.conf == {"spark.executor.memory": "2g"}
+    with caplog.at_level(logging.WARNING, logger="sparktorch_ops"):
+        job = build_job(train=fn, spark=settings, num_processes=1, use_gpu=False)
+        assert launch_job(job).value == 7
+    assert "are not used with local_mode=True" in caplog.text

@@ -232,6 +232,15 @@ def test_task_timeout_stops_the_training(call: str, tmp_path: Path) -> None:
         ({"train": "no/such/train_script.py"}, "train"),
         ({"spark_master": "nonsense://x", "local_mode": False}, "spark_master"),
         ({"spark_conf": {"spark.executor.cores": [2]}, "local_mode": False}, "spark_conf"),
+        # Never silently dropped: a spark.master that contradicts the cluster block's.
+        (
+            {
+                "cluster": SparkCluster(master="local[2]"),
+                "spark_conf": {"spark.master": "local[1]"},
+                "local_mode": False,
+            },
+            "spark_conf",
+        ),
         ({"num_processes": 0}, "num_processes"),
         ({"input_sql": "SELECT 1 AS x", "input_table": "events"}, "input"),
     ],
@@ -433,6 +442,10 @@ def test_invalid_masters_name_the_argument(master: object) -> None:
 def test_cluster_block_validates_its_master() -> None:
     with pytest.raises(ValueError, match="not a Spark master URL"):
         SparkCluster(master="nonsense://x")
+    with pytest.raises(ValueError, match="contradicts the master 'spark://head:7077'"):
+        SparkCluster(master="spark://head:7077", conf={"spark.master": "local[2]"})
+    same = SparkCluster(master="local[2]", conf={"spark.master": "local[2]"})
+    assert same.settings().master == "local[2]" and "spark.master" not in same.settings().conf
     cluster = SparkCluster(master="yarn", history_server_url="http://history:18080")
     assert cluster.settings().conf["spark.sparktorch.historyServer.url"] == "http://history:18080"
 
