@@ -6,7 +6,8 @@ in MLflow -> evaluate -> register the model, promoting it only if it beats the c
 ``champion`` resolves MLflow's ``champion`` alias of ``digits-cnn`` to a local weights file.
 ``train`` is :class:`~sparktorch_ops.airflow.TorchDistributorOperator` in barrier mode on an
 embedded Spark (``local[2]``: two barrier tasks, one DDP rank each) with the templated
-``input_sql`` selecting every day up to ``{{ ds }}``; each rank trains on its equal share through
+``input_sql`` selecting every day up to the run's (``DAY``: ``{{ ds }}``, or the day a run
+without a logical date was triggered); each rank trains on its equal share through
 ``sparktorch_ops.data.partition_loader`` (``examples/ddp_train.py``'s ``train_on_partition``),
 warm-starting from the champion and saving a checkpoint every epoch (a retry resumes). The
 driver logs the run to MLflow (experiment ``retrain-digits``; the XCom's ``mlflow_run_id``). The
@@ -50,6 +51,9 @@ import pipeline  # noqa: E402  (the steps and defaults both pipelines share)
 log = logging.getLogger("airflow.task")
 # Where the operator writes the trained weights; load_result reads only from under it.
 RESULTS = "{{ params.state }}/runs"
+# The day a run is for: its logical date; a run triggered without one (the default of Airflow
+# 3's REST API and `airflow dags trigger`) is for the day it was triggered.
+DAY = "{{ ds if ds is defined and ds else dag_run.run_after.strftime('%Y-%m-%d') }}"
 
 
 def _examples() -> None:
@@ -113,7 +117,7 @@ with DAG(
         log.info("%(day_rows)d rows for %(ds)s in %(table)s (%(days)d days)", written)
         return written
 
-    data = append_data("{{ params.state }}", "{{ ds }}", "{{ params.seed }}")
+    data = append_data("{{ params.state }}", DAY, "{{ params.seed }}")
 
     @task
     def champion(state: str) -> dict[str, Any]:
@@ -151,7 +155,7 @@ with DAG(
         },
         # Every day up to this run's logical date; Spark lays the rows out over the ranks.
         input_sql="SELECT pixels, label FROM parquet.`"
-        "{{ ti.xcom_pull(task_ids='append_data')['table'] }}` WHERE ds <= '{{ ds }}'",
+        "{{ ti.xcom_pull(task_ids='append_data')['table'] }}` WHERE ds <= '" + DAY + "'",
         num_processes="{{ params.num_processes }}",
         local_mode=False,
         use_gpu=False,

@@ -215,7 +215,7 @@ def ensure_experiment(state: str) -> str:
     if found is not None:
         return str(found.experiment_id)
     location = None
-    if "MLFLOW_TRACKING_URI" not in os.environ:
+    if not os.environ.get("MLFLOW_TRACKING_URI"):  # as tracking_uri() reads it
         location = (Path(state).resolve() / "mlartifacts").as_uri()
     return str(client.create_experiment(EXPERIMENT, artifact_location=location))
 

@@ -31,7 +31,7 @@ def airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowService
     """The three components on a fresh home; the example DAG and tests/airflow/dags/sto_scheduled.py
     in its DAGs folder; pipeline state under the home."""
     home = tmp_path_factory.mktemp("airflow-services")
-    extra = {"SPARKTORCH_STATE": str(home / "state"), "MLFLOW_TRACKING_URI": ""}
+    extra = {"SPARKTORCH_STATE": str(home / "state"), "MLFLOW_TRACKING_URI": None}
     dag_files = [ROOT / "dags" / "retrain_digits.py", TEST_DAGS / "sto_scheduled.py"]
     with running_airflow(home, dag_files, extra) as services:
         yield services

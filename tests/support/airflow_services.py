@@ -45,9 +45,10 @@ def free_port() -> int:
 
 
 def airflow_env(
-    home: Path, dags_folder: Path, port: int, extra: Mapping[str, str]
+    home: Path, dags_folder: Path, port: int, extra: Mapping[str, str | None]
 ) -> dict[str, str]:
-    """The environment every component (and ``airflow`` command) of one installation shares."""
+    """The environment every component (and ``airflow`` command) of one installation shares;
+    ``extra`` over it (a None value removes the variable)."""
     env = {
         key: value
         for key, value in os.environ.items()
@@ -73,7 +74,11 @@ def airflow_env(
         AIRFLOW__LOGGING__COLORED_CONSOLE_LOG="False",
         PYTHONUNBUFFERED="1",
     )
-    env.update(extra)
+    for key, value in extra.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
 
 
@@ -241,7 +246,7 @@ def airflow_command(env: Mapping[str, str], *args: str, timeout: float = 300) ->
 
 @contextlib.contextmanager
 def running_airflow(
-    home: Path, dag_files: list[Path], extra_env: Mapping[str, str] | None = None
+    home: Path, dag_files: list[Path], extra_env: Mapping[str, str | None] | None = None
 ) -> Iterator[AirflowServices]:
     """Migrate a SQLite database under ``home`` and run the three components until the block
     ends; the DAGs folder holds links to ``dag_files``."""
