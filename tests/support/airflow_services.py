@@ -14,7 +14,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +26,8 @@ from typing import Any
 import httpx
 import psutil
 
-from tests.support.procs import processes_with_marker
+from tests.support.cluster import free_port
+from tests.support.procs import alive, processes_with_marker
 
 COMPONENTS = {
     "api-server": ["api-server", "--host", "127.0.0.1", "--port", "{port}"],
@@ -35,13 +35,6 @@ COMPONENTS = {
     "dag-processor": ["dag-processor"],
 }
 FINAL_RUN_STATES = {"success", "failed"}
-
-
-def free_port() -> int:
-    """A free TCP port on loopback."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def airflow_env(
@@ -369,18 +362,6 @@ class RankWatcher:
         self._thread.join(5)
 
 
-def alive(processes: list[psutil.Process]) -> list[str]:
-    """Those of ``processes`` still running (pid and command line)."""
-    left = []
-    for proc in processes:
-        try:
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                left.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
-        except psutil.NoSuchProcess:
-            continue
-    return left
-
-
 def seconds_until_gone(processes: list[psutil.Process], run_id: str, timeout: float) -> float:
     """Seconds until every one of ``processes`` and of the run's marked processes is gone;
     fail when something is still there after ``timeout``."""
@@ -389,5 +370,12 @@ def seconds_until_gone(processes: list[psutil.Process], run_id: str, timeout: fl
         if not alive(processes) and not processes_with_marker(run_id):
             return time.monotonic() - start
         time.sleep(0.2)
-    left = alive(processes) + [str(p.pid) for p in processes_with_marker(run_id)]
+    left = [_describe(p) for p in alive(processes) + processes_with_marker(run_id)]
     raise AssertionError(f"still running {timeout:.0f} s later: {left}")
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} {' '.join(proc.cmdline())[:120]}"
+    except psutil.Error:
+        return str(proc.pid)

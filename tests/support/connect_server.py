@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 
 from tests.support.cluster import cluster_env, free_port, spark_home
-from tests.support.procs import group_members
+from tests.support.procs import alive, group_members
 
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 
@@ -119,24 +119,13 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
-def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
-    alive = []
-    for proc in procs:
-        try:
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(proc)
-        except psutil.Error:
-            continue
-    return alive
-
-
 def _wait_gone(
     process: subprocess.Popen[bytes], others: list[psutil.Process], timeout: float
 ) -> bool:
     deadline = time.monotonic() + timeout
     while True:
         process.poll()  # reap the leader as soon as it exits
-        if not group_members(process.pid) and not _alive(others):
+        if not group_members(process.pid) and not alive(others):
             return True
         if time.monotonic() >= deadline:
             return False
@@ -153,7 +142,7 @@ def stop_server(process: subprocess.Popen[bytes], grace: float = 15.0) -> None:
     others = _descendants(process.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
-    for proc in _alive(others):
+    for proc in alive(others):
         with contextlib.suppress(psutil.Error):
             proc.terminate()
     if _wait_gone(process, others, grace):
@@ -161,11 +150,11 @@ def stop_server(process: subprocess.Popen[bytes], grace: float = 15.0) -> None:
         return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    for proc in _alive(others):
+    for proc in alive(others):
         with contextlib.suppress(psutil.Error):
             proc.kill()
     if not _wait_gone(process, others, 10):
-        left = sorted({p.pid for p in group_members(process.pid) + _alive(others)})
+        left = sorted({p.pid for p in group_members(process.pid) + alive(others)})
         raise RuntimeError(f"Spark Connect server processes {left} outlived SIGKILL")
     process.wait(timeout=5)
 

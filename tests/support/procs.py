@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 
 import psutil
 
@@ -59,3 +60,15 @@ def group_members(pgid: int) -> list[psutil.Process]:
         except (psutil.Error, ProcessLookupError):
             continue
     return found
+
+
+def alive(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``procs`` still running (the same process, not a reused pid) and not zombies."""
+    left = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                left.append(proc)
+        except psutil.Error:
+            continue
+    return left
