@@ -38,6 +38,8 @@ ORDER = (
     "dataframe_input",
     "checkpoint",
     "connect_launch",
+    "airflow_scheduler",
+    "served_flow",
 )
 SUMMARY_START = "<!-- bench-summary:start -->"
 SUMMARY_END = "<!-- bench-summary:end -->"
@@ -59,6 +61,8 @@ def commands(repeats: int, memory_runs: int) -> dict[str, list[str]]:
         "dataframe_input": [py, str(BENCH_DIR / "dataframe_input.py"), "--repeats=1"],
         "checkpoint": [py, str(BENCH_DIR / "checkpoint.py"), f"--repeats={repeats}"],
         "connect_launch": [py, str(BENCH_DIR / "connect_launch.py"), f"--repeats={repeats}"],
+        "airflow_scheduler": [py, str(BENCH_DIR / "airflow_scheduler.py"), "--repeats=2"],
+        "served_flow": [py, str(BENCH_DIR / "served_flow.py")],
     }
 
 
@@ -614,6 +618,51 @@ def render_connect_launch(doc: dict[str, Any]) -> str:
     return "\n\n".join(out) + _notes(doc.get("notes"))
 
 
+def _variant_rows(doc: dict[str, Any], labels: dict[str, str]) -> list[list[str]]:
+    rows = []
+    for name, label in labels.items():
+        s = doc["variants"].get(name)
+        if s is None:
+            continue
+        seconds = _num(s.get("median_s")) if s.get("runs") else "failed"
+        rows.append([f"`{name}`", label, seconds, _range(s), f"{s.get('runs')}{_errors(s)}"])
+    return rows
+
+
+def render_airflow_scheduler(doc: dict[str, Any]) -> str:
+    labels = {
+        "dags_test": "`airflow dags test` command, whole",
+        "scheduler": "trigger (REST API) -> run ended, under scheduler + LocalExecutor",
+        "mark_failed": "mark failed -> last process of the try gone",
+    }
+    ratio = (doc.get("ratios") or {}).get("scheduler_vs_dags_test")
+    out = [
+        f"`dags/retrain_digits.py` ({doc.get('epochs')} epochs, fresh state each run), median of "
+        f"{doc.get('repeats')}, alternating, after a warm-up run; the components were healthy "
+        f"{_num(doc.get('startup_s'), 1)} s after start. Scheduler / `dags test`: "
+        f"{_num(ratio, suffix='x')}.",
+        _table(["variant", "measured", "seconds", "min-max s", "runs"], _variant_rows(doc, labels)),
+    ]
+    return "\n\n".join(out) + _notes(doc.get("notes"))
+
+
+def render_served_flow(doc: dict[str, Any]) -> str:
+    labels = {
+        "once_ephemeral": "`--once` command, whole (ephemeral server)",
+        "once_server": "`--once` command, whole (against the server)",
+        "served": "deployment run: request -> Completed",
+        "cancel_local": "cancel (API) -> last rank gone, local mode",
+        "cancel_barrier": "cancel (API) -> last rank gone, barrier mode",
+    }
+    ratios = [[name, _num(value, suffix="x")] for name, value in (doc.get("summary") or {}).items()]
+    out = [
+        f"`flows/retrain_digits.py` ({doc.get('epochs')} epoch), median of {doc.get('repeats')}.",
+        _table(["variant", "measured", "seconds", "min-max s", "runs"], _variant_rows(doc, labels)),
+        _table(["ratio of medians", "x"], ratios),
+    ]
+    return "\n\n".join(out) + _notes(doc.get("notes"))
+
+
 RENDERERS = {
     "launch": render_launch,
     "logs": render_logs,
@@ -623,6 +672,8 @@ RENDERERS = {
     "dataframe_input": render_dataframe_input,
     "checkpoint": render_checkpoint,
     "connect_launch": render_connect_launch,
+    "airflow_scheduler": render_airflow_scheduler,
+    "served_flow": render_served_flow,
 }
 TITLES = {
     "launch": "Launch",
@@ -633,6 +684,8 @@ TITLES = {
     "dataframe_input": "DataFrame input",
     "checkpoint": "Checkpoint",
     "connect_launch": "Launch over Spark Connect",
+    "airflow_scheduler": "The example DAG under Airflow's scheduler",
+    "served_flow": "The example flow served by Prefect",
 }
 
 
@@ -790,6 +843,18 @@ def render_summary(docs: dict[str, dict[str, Any]]) -> str:
                 "pyspark's time / ours (ours over Connect / over a classic session)",
                 f"{_num(connect['connect: pyspark / ours'], suffix='x')} "
                 f"({_num(connect.get('ours: connect / classic'), suffix='x')})",
+                "-",
+            ]
+        )
+    airflow = (docs.get("airflow_scheduler") or {}).get("ratios", {})
+    served = (docs.get("served_flow") or {}).get("summary", {})
+    if airflow.get("scheduler_vs_dags_test") is not None and served:
+        rows.append(
+            [
+                "example pipeline under real schedulers",
+                "Airflow scheduler / `dags test`; served flow / `--once` (same server)",
+                f"{_num(airflow['scheduler_vs_dags_test'], suffix='x')}; "
+                f"{_num(served.get('served_over_once_server'), suffix='x')}",
                 "-",
             ]
         )

@@ -1,0 +1,168 @@
+"""The example DAG under Airflow's real scheduler against ``airflow dags test``, and how long
+after "mark failed" the last process of a barrier-mode training try is gone.
+
+- ``dags_test``: ``airflow dags test retrain_digits -c '{"state": FRESH, "epochs": E}'`` as a
+  command (one process runs every task; its own SQLite home), wall time of the command;
+- ``scheduler``: the same DAG run triggered through the REST API of a running installation
+  (``airflow scheduler`` with the LocalExecutor, ``airflow dag-processor``, ``airflow
+  api-server``; tests/support/airflow_services.py), wall time from the trigger request until the
+  API reports the run ended (each task a supervised process that talks to the execution API);
+- ``mark_failed``: ``tests/airflow/dags/sto_scheduled.py``'s ``sto_scheduled_mark_failed``
+  (2 ranks in barrier mode on ``local[2]``, training forever) marked failed through the API once
+  both ranks train; seconds until none of that try's processes (ranks, launchers, Spark's Python
+  workers, the JVM, the task process) is left.
+
+The two ways alternate, each run on a fresh state directory; the scheduled run the scheduler
+creates when the DAG is unpaused is a discarded warm-up. Startup of the components is reported
+apart.
+
+    python benchmarks/airflow_scheduler.py --repeats 2 --epochs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import common
+from common import Series, log, print_table, ratio
+
+common.prepare_environment()
+sys.path.insert(0, str(common.ROOT))
+
+from tests.support.airflow_services import (  # noqa: E402
+    RankMarkers,
+    airflow_command,
+    airflow_env,
+    free_port,
+    running_airflow,
+    seconds_until_gone,
+    wait_for_ranks,
+)
+
+NAME = "airflow_scheduler"
+DAG = "retrain_digits"
+DAG_FILES = [common.ROOT / "dags" / "retrain_digits.py"]
+FAULT_DAGS = common.ROOT / "tests" / "airflow" / "dags" / "sto_scheduled.py"
+
+
+def dags_test(home: Path, state: Path, epochs: int) -> float:
+    """Seconds ``airflow dags test`` takes for one run of the DAG."""
+    env = airflow_env(home, home / "dags", free_port(), {"MLFLOW_TRACKING_URI": None})
+    conf = json.dumps({"state": str(state), "epochs": epochs})
+    started = time.perf_counter()
+    airflow_command(env, "dags", "test", DAG, "-c", conf, timeout=1800)
+    return time.perf_counter() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=5)
+    args = parser.parse_args()
+    machine = common.machine_info()
+    work = Path(tempfile.mkdtemp(prefix="bench-airflow-"))
+    series = {name: Series(name) for name in ("dags_test", "scheduler", "mark_failed")}
+    api_span: list[float] = []
+
+    # airflow dags test's own installation: a migrated SQLite home with the DAG.
+    test_home = work / "dags-test-home"
+    (test_home / "dags").mkdir(parents=True)
+    for source in DAG_FILES:
+        (test_home / "dags" / source.name).symlink_to(source)
+    airflow_command(airflow_env(test_home, test_home / "dags", free_port(), {}), "db", "migrate")
+
+    started = time.perf_counter()
+    extra = {"SPARKTORCH_STATE": str(work / "warmup-state"), "MLFLOW_TRACKING_URI": None}
+    with running_airflow(work / "services", [*DAG_FILES, FAULT_DAGS], extra) as airflow:
+        startup = time.perf_counter() - started
+        log(f"components healthy after {startup:.1f} s")
+        airflow.wait_for_dag(DAG)
+        airflow.unpause(DAG)
+        warmup = airflow.wait_until("the scheduled run", lambda: airflow.runs(DAG), 120)[0]
+        airflow.wait_for_run(DAG, warmup["dag_run_id"], timeout=1800)
+        log("warm-up (scheduled) run done")
+        for round_ in range(args.repeats):
+            order = ["dags_test", "scheduler"][:: 1 if round_ % 2 == 0 else -1]
+            for name in order:
+                state = work / f"{name}-{round_}"
+                if name == "dags_test":
+                    seconds = dags_test(test_home, state, args.epochs)
+                else:
+                    began = time.perf_counter()
+                    run_id = airflow.trigger(DAG, {"state": str(state), "epochs": args.epochs})
+                    outcome = airflow.wait_for_run(DAG, run_id, timeout=1800)
+                    seconds = time.perf_counter() - began
+                    if outcome != "success":
+                        series[name].errors.append(f"run {run_id}: {outcome}")
+                        continue
+                    run = airflow.api("GET", f"/dags/{DAG}/dagRuns/{run_id}")
+                    api_span.append(_span(run["queued_at"], run["end_date"]))
+                series[name].seconds.append(seconds)
+                log(f"round {round_}: {name} {seconds:.1f} s")
+
+        fault = "sto_scheduled_mark_failed"
+        markers = RankMarkers(work / "markers")
+        markers.path.mkdir()
+        airflow.wait_for_dag(fault)
+        airflow.unpause(fault)
+        for round_ in range(args.repeats):
+            for old in markers.path.iterdir():
+                old.unlink()
+            run_id = airflow.trigger(fault, {"markers": str(markers.path)})
+            processes, marker = wait_for_ranks(airflow, markers, fault, run_id)
+            airflow.mark_failed(fault, run_id, "train")
+            seconds = seconds_until_gone(processes, marker, timeout=120)
+            series["mark_failed"].seconds.append(seconds)
+            log(f"round {round_}: mark failed -> last process gone after {seconds:.1f} s")
+            airflow.wait_for_run(fault, run_id, timeout=300)
+
+    summary = {name: s.summary() for name, s in series.items()}
+    base = summary["dags_test"]["median_s"]
+    print_table(
+        f"retrain_digits ({args.epochs} epochs), {args.repeats} run(s) each; medians",
+        ["variant", "wall s", "vs dags test"],
+        [
+            ["airflow dags test (command)", base, 1.0 if base else None],
+            [
+                "scheduler + LocalExecutor (trigger -> run ended)",
+                summary["scheduler"]["median_s"],
+                ratio(summary["scheduler"]["median_s"], base),
+            ],
+        ],
+    )
+    print_table(
+        "mark failed while training (barrier mode, 2 ranks)",
+        ["measure", "seconds"],
+        [
+            ["last process of the try gone after", summary["mark_failed"]["median_s"]],
+            ["components healthy after start", startup],
+        ],
+    )
+    common.write_results(
+        NAME,
+        {
+            "epochs": args.epochs,
+            "repeats": args.repeats,
+            "startup_s": startup,
+            "scheduler_api_queued_to_end_s": api_span,
+            "variants": summary,
+            "ratios": {"scheduler_vs_dags_test": ratio(summary["scheduler"]["median_s"], base)},
+        },
+        machine,
+    )
+    return 0
+
+
+def _span(start: str, end: str) -> float:
+    from datetime import datetime
+
+    return (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
