@@ -44,8 +44,9 @@ from sparktorch_ops.messages import (
 )
 from sparktorch_ops.payload import Payload, write_rank_payload
 from sparktorch_ops.planning import RUN_ID_ENV, RunPlan
-from sparktorch_ops.process import AgentProcess, marked_processes, terminate_processes
+from sparktorch_ops.process import marked_processes, terminate_processes
 from sparktorch_ops.relay import Relay, RelayedFrame
+from sparktorch_ops.warm import after_run, start_agent
 
 _STORE_HOLD_S = 60.0
 #: How long a task that coordinates in the stage tries to reach the driver's channel before
@@ -323,7 +324,7 @@ class BarrierTask:
         )
         # Ranks talk over the interface Spark reaches this host on (unless the user chose).
         env = {**agent_plan.env, **netif.node_socket_env(host, agent_plan.env), **data_env}
-        agent = AgentProcess(
+        agent = start_agent(
             agent_plan.argv,
             env,
             workdir,
@@ -339,10 +340,12 @@ class BarrierTask:
             time.sleep(0.1)
         if agent.poll() is None:
             agent.terminate(grace=3.0)
+            after_run(agent, succeeded=False)
             terminate_processes(marked_processes(RUN_ID_ENV, plan.run_id), grace=1.0)
             return agent.poll()
         agent.finish_output()
         code = agent.poll()
+        after_run(agent, succeeded=code == 0)
         try:
             client.send_message(ExitReport(exit_code=code, time=time.time()))
         except channel.ChannelError:

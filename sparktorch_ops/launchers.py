@@ -35,6 +35,7 @@ from sparktorch_ops.errors import ConfigError, SparkJobKilledError
 from sparktorch_ops.payload import Payload, write_rank_payload
 from sparktorch_ops.planning import RUN_ID_ENV, RunPlan
 from sparktorch_ops.process import AgentProcess, marked_processes, terminate_processes
+from sparktorch_ops.warm import ForkedAgent, after_run, start_agent
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
@@ -74,7 +75,7 @@ class LocalLauncher:
         self._secret = secret
         self._collector = collector
         self._workdir: str | None = None
-        self._agent: AgentProcess | None = None
+        self._agent: AgentProcess | ForkedAgent | None = None
 
     def start(self) -> None:
         """Write the payload into a fresh work directory and start the agent."""
@@ -96,7 +97,7 @@ class LocalLauncher:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
             raise
-        self._agent = AgentProcess(
+        self._agent = start_agent(
             agent.argv,
             env,
             None,
@@ -144,9 +145,12 @@ class LocalLauncher:
 
     def teardown(self) -> None:
         """Stop the agent (SIGTERM, then SIGKILL) and every process of the run."""
+        agent = self._agent
         try:
-            if self._agent is not None:
-                self._agent.terminate(grace=3.0)
+            if agent is not None:
+                succeeded = agent.poll() == 0
+                agent.terminate(grace=3.0)
+                after_run(agent, succeeded)
             terminate_processes(marked_processes(RUN_ID_ENV, self._plan.run_id), grace=1.0)
         finally:  # the work directory (and the secret in it) goes whatever happened above
             if self._workdir is not None:

@@ -20,7 +20,7 @@ from sparktorch_ops import (
     report,
 )
 from tests.support.driver import run_driver
-from tests.support.procs import ENV_CONTRACT
+from tests.support.procs import ENV_CONTRACT, cuda_touched_before_fork_env
 
 ENV_KEYS = ENV_CONTRACT
 
@@ -322,14 +322,11 @@ def test_ranks_start_as_fresh_interpreters_where_a_fork_could_not_use_cuda(
     initialised before the fork, so a forked rank could not use it. The supervisor must start
     the rank as a fresh interpreter instead, and the run must work as usual."""
     monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(
-        "import torch.cuda\ntorch.cuda._is_in_bad_fork = lambda: True\n"
-    )
-    paths = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     facts = TorchDistributor(
-        num_processes=2, local_mode=True, use_gpu=False, env={"PYTHONPATH": os.pathsep.join(paths)}
+        num_processes=2,
+        local_mode=True,
+        use_gpu=False,
+        env=cuda_touched_before_fork_env(tmp_path),
     ).run(rank_process_facts)
     assert facts["cmdline"][1:4] == ["-u", "-m", "sparktorch_ops.worker"], facts
     assert facts["name"] == "torch-rank-0"

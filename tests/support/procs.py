@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import psutil
 
@@ -25,15 +26,16 @@ ENV_CONTRACT = (
 
 def processes_with_marker(run_id: str | None = None) -> list[psutil.Process]:
     """Live processes whose environment carries the run marker (any run when run_id is None)."""
+    return processes_with_env(RUN_ID_ENV, lambda value: run_id is None or value == run_id)
+
+
+def processes_with_env(name: str, accept: Callable[[str], bool]) -> list[psutil.Process]:
+    """Live processes (no zombies) whose environment has ``name`` with a value ``accept`` takes."""
     found = []
     for proc in psutil.process_iter():
         try:
-            value = proc.environ().get(RUN_ID_ENV)
-            if (
-                value is not None
-                and (run_id is None or value == run_id)
-                and proc.status() != psutil.STATUS_ZOMBIE
-            ):
+            value = proc.environ().get(name)
+            if value is not None and accept(value) and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except psutil.Error:
             continue
@@ -72,3 +74,25 @@ def alive(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return left
+
+
+def warm_processes(launcher: int | None = None) -> list[psutil.Process]:
+    """Live warm agents (fork servers) started by ``launcher`` (any launcher when None)."""
+    from sparktorch_ops.forkserver import WARM_PROCESS_ENV
+
+    return processes_with_env(
+        WARM_PROCESS_ENV, lambda token: launcher is None or token.startswith(f"{launcher}-")
+    )
+
+
+def cuda_touched_before_fork_env(tmp_path: Path) -> dict[str, str]:
+    """A GPU-only condition, simulated (the one mock of the suite): an environment whose
+    interpreters report that CUDA was initialised (torch's bad-fork flag), through a
+    ``sitecustomize`` first on ``PYTHONPATH``. Unset PYTORCH_NVML_BASED_CUDA_CHECK too."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import torch.cuda\ntorch.cuda._is_in_bad_fork = lambda: True\n"
+    )
+    paths = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {"PYTHONPATH": os.pathsep.join(paths)}

@@ -1,0 +1,317 @@
+"""Starting a run's torchrun agent from a warm process (DESIGN section 9), else cold.
+
+A launcher (the driver in local mode, each barrier task's Spark Python worker) keeps one warm
+agent per interpreter, :mod:`sparktorch_ops.forkserver`, started with its first run and reused
+by the later ones while it lives: each run's agent is forked from it with torch already
+imported, instead of starting an interpreter and importing torch (1.4 s locally, 2.4 s per task
+in barrier mode on 2 cores). The fork server never runs a run's code, so runs cannot see each
+other's environment, modules or thread settings.
+
+When the warm process is not used: ``SPARKTORCH_OPS_WARM_AGENT=0`` in the launcher's
+environment; a platform without ``pidfd_open``; an agent environment that differs from the one
+the warm process started with in anything but the run's own variables (it read them when it
+imported torch: a new warm process takes its place); a warm process that has initialised CUDA
+(refused: a fork could not use it). A warm process is dropped after any run that did not succeed
+(failure, cancel, timeout), so none is left after those; it goes with its launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import select
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import psutil
+
+from sparktorch_ops.data import DATA_FILE_ENV, SCHEMA_FILE_ENV
+from sparktorch_ops.forkserver import WARM_PROCESS_ENV, command_line_room, slot_value
+from sparktorch_ops.process import AgentProcess, pump_lines, terminate_tree
+
+#: ``0`` (or ``false``/``no``/``off``) in the launcher's environment: start every agent cold.
+WARM_AGENT_ENV = "SPARKTORCH_OPS_WARM_AGENT"
+# How long a run waits for the warm process to fork its agent (its first run includes the
+# imports, which a cold agent would pay the same); past it, the run starts a cold agent.
+_FORK_TIMEOUT_S = 120.0
+# A run's own variables, which the warm process's imports never read.
+_PER_RUN_PREFIXES = ("SPARKTORCH_",)
+_PER_RUN_NAMES = frozenset({DATA_FILE_ENV, SCHEMA_FILE_ENV})
+
+_log = logging.getLogger(__name__)
+
+
+class WarmUnavailable(Exception):
+    """The warm process could not fork this run's agent (the run starts a cold one)."""
+
+
+def warm_enabled(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    """Whether runs started by this process may use a warm agent."""
+    setting = environ.get(WARM_AGENT_ENV, "1").strip().lower()
+    return setting not in {"0", "false", "no", "off"} and hasattr(os, "pidfd_open")
+
+
+def import_environment(env: dict[str, str]) -> dict[str, str]:
+    """The part of an agent's environment that its imports may read: all but the run's own."""
+    return {
+        k: v
+        for k, v in env.items()
+        if not k.startswith(_PER_RUN_PREFIXES) and k not in _PER_RUN_NAMES
+    }
+
+
+class WarmServer:
+    """The launcher's handle on one fork server."""
+
+    def __init__(self, python: str, env: dict[str, str], room_for: list[str]) -> None:
+        self.python = python
+        self.env = env
+        self._lock = threading.Lock()
+        self._control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        token = f"{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            # The marker comes last: a forked agent writes its run's marker in its place.
+            self.proc = subprocess.Popen(
+                [
+                    python,
+                    "-m",
+                    "sparktorch_ops.forkserver",
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                    command_line_room(room_for),
+                ],
+                env={
+                    **{k: v for k, v in env.items() if k != WARM_PROCESS_ENV},
+                    WARM_PROCESS_ENV: slot_value(token),
+                },
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,
+            )
+        finally:
+            theirs.close()
+
+    def alive(self) -> bool:
+        """Whether the server still runs and takes runs."""
+        return self.proc.poll() is None and self._control.fileno() >= 0
+
+    def fork_agent(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        on_stdout: Callable[[list[str]], None],
+        on_stderr: Callable[[list[str]], None],
+    ) -> ForkedAgent:
+        """Have the server fork this run's agent.
+
+        Raises:
+            WarmUnavailable: the server is gone, refused, or did not answer in time.
+        """
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
+        request = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+        try:
+            with self._lock:
+                socket.send_fds(self._control, [request], [theirs.fileno(), out_write, err_write])
+        except OSError as exc:
+            for fd in (out_read, err_read):
+                os.close(fd)
+            mine.close()
+            raise WarmUnavailable(f"the warm agent is gone ({exc})") from exc
+        finally:
+            theirs.close()
+            os.close(out_write)
+            os.close(err_write)
+        try:
+            reply = self._await_reply(mine)
+        except BaseException:
+            mine.close()
+            for fd in (out_read, err_read):
+                os.close(fd)
+            raise
+        return ForkedAgent(self, int(reply["pid"]), mine, out_read, err_read, on_stdout, on_stderr)
+
+    def _await_reply(self, sock: socket.socket) -> dict[str, Any]:
+        deadline = time.monotonic() + _FORK_TIMEOUT_S
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([sock], [], [], 0.25)
+            if ready:
+                data = sock.recv(1 << 16)
+                if not data:
+                    raise WarmUnavailable("the warm agent exited before it forked the run's agent")
+                reply: dict[str, Any] = json.loads(data)
+                if "pid" not in reply:
+                    raise WarmUnavailable(f"the warm agent refused: {reply.get('refused')}")
+                return reply
+            if self.proc.poll() is not None:
+                raise WarmUnavailable(f"the warm agent exited with code {self.proc.returncode}")
+        raise WarmUnavailable(f"the warm agent did not fork within {_FORK_TIMEOUT_S:g} s")
+
+    def close(self) -> None:
+        """Take no more runs; the server leaves once its agents have (idempotent)."""
+        with self._lock:
+            if self._control.fileno() < 0:
+                return
+            self._control.close()
+        # Reap it when it leaves (no zombie in the process table).
+        threading.Thread(target=self.proc.wait, name="sparktorch-warm-reaper", daemon=True).start()
+
+    def kill(self) -> None:
+        """Stop the server now (its agents get SIGTERM from their parent's death)."""
+        self.close()
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+
+
+class ForkedAgent:
+    """A run's agent forked by a :class:`WarmServer`: the surface of
+    :class:`~sparktorch_ops.process.AgentProcess` (the server, its parent, reports its exit)."""
+
+    def __init__(
+        self,
+        server: WarmServer,
+        pid: int,
+        sock: socket.socket,
+        out_read: int,
+        err_read: int,
+        on_stdout: Callable[[list[str]], None],
+        on_stderr: Callable[[list[str]], None],
+    ) -> None:
+        self.server = server
+        self.pid = pid
+        self._sock = sock
+        self._returncode: int | None = None
+        try:
+            self._process: psutil.Process | None = psutil.Process(pid)
+        except psutil.Error:
+            self._process = None
+        self._streams = [os.fdopen(fd, "rb", buffering=0) for fd in (out_read, err_read)]
+        self._pumps = [
+            threading.Thread(target=pump_lines, args=(stream, emit), daemon=True)
+            for stream, emit in zip(self._streams, (on_stdout, on_stderr), strict=True)
+        ]
+        for pump in self._pumps:
+            pump.start()
+
+    def poll(self) -> int | None:
+        """The exit code once the agent exited (``-N``: killed by signal N), else None."""
+        if self._returncode is not None:
+            return self._returncode
+        with contextlib.suppress(OSError, ValueError):
+            while select.select([self._sock], [], [], 0)[0]:
+                data = self._sock.recv(1 << 16)
+                if not data:  # the server is gone: the agent died with it (SIGTERM)
+                    if not self._running():
+                        self._returncode = -signal.SIGTERM
+                    break
+                message = json.loads(data)
+                if "exit" in message:
+                    self._returncode = int(message["exit"])
+                    break
+        return self._returncode
+
+    def _running(self) -> bool:
+        try:
+            return self._process is not None and self._process.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def finish_output(self, timeout: float = 5.0) -> None:
+        """Wait for the output pumps to reach the end of the streams."""
+        for pump in self._pumps:
+            pump.join(timeout)
+
+    def terminate(self, grace: float = 5.0) -> None:
+        """Terminate the agent and everything under it, then wait for its exit. Idempotent."""
+        if self.poll() is None and self._process is not None:
+            terminate_tree(self._process.pid, grace)
+        deadline = time.monotonic() + 5.0
+        while self.poll() is None and time.monotonic() < deadline and self._running():
+            time.sleep(0.02)
+        self.finish_output()
+        for stream in self._streams:
+            stream.close()
+        self._sock.close()
+
+
+_servers: dict[str, WarmServer] = {}
+_servers_lock = threading.Lock()
+
+
+def start_agent(
+    argv: Iterable[str],
+    env: dict[str, str],
+    cwd: str | None,
+    on_stdout: Callable[[list[str]], None],
+    on_stderr: Callable[[list[str]], None],
+) -> AgentProcess | ForkedAgent:
+    """Start a run's agent: forked from this process's warm agent (started here if there is
+    none, or none for this interpreter and environment), else as a fresh interpreter."""
+    argv = list(argv)
+    if not warm_enabled():
+        return AgentProcess(argv, env, cwd, on_stdout, on_stderr)
+    python, wanted = argv[0], import_environment(env)
+    for attempt in (1, 2):  # a server that died since its last run is replaced once
+        server = _server_for(python, wanted, argv)
+        try:
+            return server.fork_agent(argv, env, cwd or os.getcwd(), on_stdout, on_stderr)
+        except WarmUnavailable as exc:
+            _log.debug("warm agent not used (%s); attempt %d", exc, attempt)
+            discard(server)
+            if "refused" in str(exc):
+                break
+    return AgentProcess(argv, env, cwd, on_stdout, on_stderr)
+
+
+def _server_for(python: str, env: dict[str, str], argv: list[str]) -> WarmServer:
+    with _servers_lock:
+        server = _servers.get(python)
+        if server is not None and (not server.alive() or server.env != env):
+            server.close()  # it finishes what it runs, then leaves
+            server = None
+        if server is None:
+            server = _servers[python] = WarmServer(python, env, room_for=argv)
+        return server
+
+
+def discard(server: WarmServer) -> None:
+    """Drop a warm process: no further run uses it, and it leaves once its agents have."""
+    with _servers_lock:
+        if _servers.get(server.python) is server:
+            del _servers[server.python]
+    server.close()
+
+
+def after_run(agent: AgentProcess | ForkedAgent, succeeded: bool) -> None:
+    """Keep the warm process for the next run only after a run that succeeded."""
+    if isinstance(agent, ForkedAgent) and not succeeded:
+        discard(agent.server)
+
+
+def shutdown() -> None:
+    """Stop every warm process of this launcher (tests; interpreter exit closes them too)."""
+    with _servers_lock:
+        servers = list(_servers.values())
+        _servers.clear()
+    for server in servers:
+        server.kill()
+
+
+def warm_processes() -> list[WarmServer]:
+    """The warm processes this launcher keeps (live or not)."""
+    with _servers_lock:
+        return list(_servers.values())

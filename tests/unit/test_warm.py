@@ -1,0 +1,124 @@
+"""The warm agent's pure parts and its process-table rewriting (issue 16)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from sparktorch_ops.forkserver import (
+    MARKER_SLOT_CHARS,
+    WARM_PROCESS_ENV,
+    command_line_room,
+    slot_value,
+)
+from sparktorch_ops.warm import WARM_AGENT_ENV, import_environment, warm_enabled
+
+pytestmark = pytest.mark.unit
+
+
+def test_only_the_runs_own_variables_are_left_out_of_the_import_environment() -> None:
+    env = {
+        "PATH": "/bin",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": "/x",
+        "SPARKTORCH_OPS_RUN_ID": "sparktorch-1",
+        "SPARKTORCH_CHECKPOINT_DIR": "/ckpt",
+        "SPARK_PARTITION_ARROW_DATA_FILE": "/data",
+        "SPARK_DATAFRAME_SCHEMA_FILE": "/schema",
+        "SPARK_HOME": "/spark",
+    }
+    assert import_environment(env) == {
+        "PATH": "/bin",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": "/x",
+        "SPARK_HOME": "/spark",
+    }
+
+
+@pytest.mark.parametrize(
+    ("value", "enabled"), [(None, True), ("1", True), ("0", False), ("off", False), ("No", False)]
+)
+def test_the_warm_agent_switch(value: str | None, enabled: bool) -> None:
+    environ = {} if value is None else {WARM_AGENT_ENV: value}
+    assert warm_enabled(environ) is enabled
+
+
+def test_the_marker_slot_holds_any_run_marker() -> None:
+    assert len(slot_value("123-abcdef")) == MARKER_SLOT_CHARS
+    assert len("SPARKTORCH_OPS_RUN_ID=sparktorch-0123456789abcdef") < len(
+        f"{WARM_PROCESS_ENV}={slot_value('x')}"
+    )
+
+
+REWRITE = """
+import sys, time
+from sparktorch_ops.forkserver import rewrite_command_line, rewrite_marker
+assert rewrite_marker("SPARKTORCH_OPS_RUN_ID=sparktorch-feed")
+assert rewrite_command_line([sys.executable, "-m", "sparktorch_ops.agent", "sparktorch-feed"])
+too_long = ["x" * 5000, "-m", "sparktorch_ops.agent", "sparktorch-feed"]
+assert not rewrite_command_line(too_long)
+print("done", flush=True)
+time.sleep(30)
+"""
+
+
+def test_a_forked_agent_shows_its_runs_marker_and_command_line() -> None:
+    """What ``ps`` and ``/proc`` show of the process after the rewrite (a plain process
+    started like the fork server: padded last environment entry and command line)."""
+    argv = [sys.executable, "-m", "sparktorch_ops.agent", "sparktorch-feed"]
+    env = {"PATH": "/usr/bin:/bin", "KEEP": "kept", WARM_PROCESS_ENV: slot_value("1-x")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(REWRITE), command_line_room(argv)],
+        env={**env, "PYTHONPATH": ":".join(sys.path)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "done"
+        shown = psutil.Process(proc.pid)
+        environ = shown.environ()
+        assert environ["SPARKTORCH_OPS_RUN_ID"] == "sparktorch-feed"
+        assert environ["KEEP"] == "kept" and WARM_PROCESS_ENV not in environ
+        cmdline = shown.cmdline()
+        assert cmdline[:3] == argv[:3] and cmdline[3].rstrip() == "sparktorch-feed"
+        assert len(cmdline) == 4
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+PACE = """
+import sys
+from sparktorch_ops.agent import _poll_rendezvous_sooner
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as r
+original = r._delay
+_poll_rendezvous_sooner(sys.argv[1:])
+import torch.distributed.elastic.rendezvous.utils as u
+slept = []
+u.time.sleep = slept.append  # record instead of sleeping; the longest skew is taken
+u.random.uniform = lambda low, high: high
+r._delay(seconds=1)
+r._delay(seconds=(0, 0.3))
+holder = r._BackendRendezvousStateHolder(backend=None, settings=None)
+print([round(s, 3) for s in slept], round(holder._cache_duration, 3), r._delay is original)
+"""
+
+
+@pytest.mark.parametrize(
+    ("nnodes", "expected"),
+    [("1", "[1, 0.3] 1 True"), ("2", "[0.1, 0.03] 0.1 False"), ("40", "[1.0, 0.3] 1.0 False")],
+)
+def test_rendezvous_polling_is_scaled_to_the_number_of_nodes(nnodes: str, expected: str) -> None:
+    pytest.importorskip("torch")
+    out = subprocess.run(
+        [sys.executable, "-c", PACE, f"--nnodes={nnodes}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.strip()
+    assert out == expected
