@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -305,6 +305,53 @@ def run_with_timeout(fn: Callable[[], Any], timeout: float, on_timeout: Callable
     if "error" in box:
         raise box["error"]
     return box.get("value")
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str | None) -> Iterator[None]:
+    """Set (or, with None, remove) an environment variable of this process for a block only.
+
+    For switches that sparktorch_ops reads at each run in the launching process, such as
+    :data:`WARM_AGENT_ENV`; the previous value (or its absence) is restored afterwards.
+    """
+    previous = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
+@contextlib.contextmanager
+def executor_env(session: Any, name: str, value: str) -> Iterator[None]:
+    """Give the Python tasks of Spark jobs submitted in this block ``name=value``.
+
+    ``spark.executorEnv.NAME`` reaches Spark's Python workers through
+    ``SparkContext.environment`` (pyspark copies those settings into it when the context
+    starts, and sends that dict with every Python function of a job), so setting the entry for
+    a block is what a session built with ``spark.executorEnv.NAME=value`` gives those jobs.
+    Spark keeps one pool of Python workers per environment: the jobs of the block get their
+    own workers, which :func:`touch_python_workers` under the same block keeps alive.
+    """
+    environment = session.sparkContext.environment
+    previous = environment.get(name)
+    environment[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            environment.pop(name, None)
+        else:
+            environment[name] = previous
+
+
+WARM_AGENT_ENV = "SPARKTORCH_OPS_WARM_AGENT"  # "0": no warm agent (read at each run)
 
 
 # -- bare torchrun ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from pyspark.sql import SparkSession
 from sparktorch_ops import TorchDistributor
 from sparktorch_ops.planning import RUN_ID_ENV
 from tests.faults.training import long_training, fail_after_ready
-from tests.support.procs import wait_until_gone
+from tests.support.procs import wait_until_gone, warm_processes
 
 spark = (SparkSession.builder.master({master!r}).config("spark.driver.host", "127.0.0.1")
          .config("spark.executor.memory", "1g").getOrCreate())
@@ -50,7 +50,22 @@ def scenario(name, fn, kill):
     outcome["ended"] = not thread.is_alive()
     outcome["seconds"] = time.monotonic() - started
     outcome["left"] = [" ".join(p.cmdline())[:200] for p in wait_until_gone(run_id, timeout=30)]
+    # No run here succeeds: no warm agent may be left on the workers either.
+    deadline = time.monotonic() + 30
+    while warm_on_workers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    outcome["warm_left"] = [p.pid for p in warm_on_workers()]
     return outcome
+
+def warm_on_workers():
+    found = []
+    for proc in warm_processes():
+        try:
+            if any("CoarseGrainedExecutorBackend" in " ".join(a.cmdline()) for a in proc.parents()):
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
 
 def ancestor(pid, text):
     # The topmost match: forked ranks and supervisors share their agent's command line.
@@ -86,4 +101,5 @@ def test_kill_paths_on_the_standalone_cluster(standalone_cluster: Cluster, tmp_p
         assert case["ended"], (name, output[-4000:])
         assert case.get("error") == error, (name, case)
         assert case["left"] == [], (name, case["left"])
+        assert case["warm_left"] == [], (name, case["warm_left"])
     assert "rank 1 raised on purpose" in result["raise"]["message"]
