@@ -1,5 +1,7 @@
-"""Shared fixtures: one local[2] SparkSession per test session, a Spark standalone cluster and
-a Spark Connect server.
+"""Shared fixtures (one local[2] SparkSession per test session, a Spark standalone cluster, a
+Spark Connect server) and the tiers: every test gets exactly one of the ``unit``,
+``integration`` and ``e2e`` markers, from its directory and the fixtures it uses (see
+tests/README.md), and the summary prints each tier's wall time.
 
 Nothing here imports pyspark, Airflow or Prefect at import time: the unit tier
 (``tests/unit``) runs without them. The fixtures import what they need when first used.
@@ -10,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +25,26 @@ if TYPE_CHECKING:
     from tests.support.connect_server import ConnectServer
 
 ROOT = Path(__file__).resolve().parents[1]
+UNIT_DIR = ROOT / "tests" / "unit"
+TIERS = ("unit", "integration", "e2e")
+# A test that uses one of these fixtures, directly or through another fixture, is e2e: each
+# starts real services of its own (clusters, servers, schedulers) or a whole pipeline run.
+E2E_FIXTURES = frozenset(
+    {
+        "standalone_cluster",  # a Spark standalone master and workers
+        "two_hosts",  # a standalone cluster across network namespaces
+        "connect_server",  # a Spark Connect server
+        "doomed_connect_server",  # a Connect server of the test's own, which the test kills
+        "airflow_services",  # Airflow's scheduler, DAG processor and API server
+        "prefect_runner",  # a Prefect runner serving deployments (flow.serve)
+        "mlflow_server",  # an MLflow tracking server
+        "example_dag_runs",  # the example DAG run end to end
+        "example_flow_run",  # the example flow run end to end
+    }
+)
+# Marks that say a test is e2e where no fixture can: it starts a cluster in a driver process of
+# its own (one SparkContext per process), or moves data at the benchmarks' size.
+E2E_MARKERS = frozenset({"cluster", "large_transfer"})
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -28,6 +52,60 @@ os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # py4j logs at INFO from __del__ at interpreter exit, after pytest closed its streams.
 logging.getLogger("py4j").setLevel(logging.WARNING)
+
+
+def tier_of(item: pytest.Item) -> str:
+    """The tier of a collected test: an explicit tier marker, else its directory (unit), else
+    what it uses (e2e), else integration."""
+    explicit = [name for name in TIERS if item.get_closest_marker(name) is not None]
+    if len(explicit) > 1:
+        raise pytest.UsageError(f"{item.nodeid} is marked with several tiers: {explicit}")
+    if explicit:
+        return explicit[0]
+    if item.path.resolve().is_relative_to(UNIT_DIR):
+        return "unit"
+    fixtures = set(getattr(item, "fixturenames", ()))
+    marks = {mark.name for mark in item.iter_markers()}
+    if fixtures & E2E_FIXTURES or marks & E2E_MARKERS:
+        return "e2e"
+    return "integration"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = tier_of(item)
+        if item.get_closest_marker(tier) is None:
+            item.add_marker(getattr(pytest.mark, tier))
+        if tier == "unit" and not item.path.resolve().is_relative_to(UNIT_DIR):
+            raise pytest.UsageError(f"{item.nodeid}: unit tests live in tests/unit")
+
+
+_tier_seconds: dict[str, float] = defaultdict(float)
+_tier_tests: dict[str, set[str]] = defaultdict(set)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    # Setup, call and teardown together: a shared fixture's start counts for the first test
+    # that needs it, its stop for the last, so the tiers add up to the session's wall time.
+    started = time.monotonic()
+    try:
+        return (yield)
+    finally:
+        tier = tier_of(item)
+        _tier_seconds[tier] += time.monotonic() - started
+        _tier_tests[tier].add(item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _tier_tests:
+        return
+    terminalreporter.section("wall time per tier")
+    for tier in TIERS:
+        if tier in _tier_tests:
+            terminalreporter.write_line(
+                f"{tier:<12} {len(_tier_tests[tier]):>4} tests  {_tier_seconds[tier]:8.1f} s"
+            )
 
 
 @pytest.fixture(scope="session")
@@ -72,3 +150,12 @@ def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Connect
 
     with connect_support.running_connect_server(tmp_path_factory.mktemp("spark-connect")) as s:
         yield s
+
+
+@pytest.fixture
+def doomed_connect_server(tmp_path: Path) -> Iterator[ConnectServer]:
+    """A Spark Connect server for this test alone: the test may kill it."""
+    from tests.support import connect_server as connect_support
+
+    with connect_support.running_connect_server(tmp_path) as server:
+        yield server

@@ -174,7 +174,6 @@ def test_operator_on_a_standalone_cluster_from_a_connection(
     assert re.search(r"\[info\s*\] \[rank 1\|[^\]]+\] training started on rank 1", output)
 
 
-@pytest.mark.slow
 def test_operator_over_spark_connect_from_a_spark_connect_connection(
     airflow_db: Path, connect_server: ConnectServer
 ) -> None:

@@ -20,14 +20,12 @@ from tests.support.airflow_services import (
     seconds_until_gone,
 )
 
-pytestmark = pytest.mark.slow
-
 FAULT_DAGS = ("sto_scheduled_mark_failed", "sto_scheduled_timeout", "sto_scheduled_flaky")
 ERROR_LEVELS = {"error", "critical", "exception", "fatal"}
 
 
 @pytest.fixture(scope="module")
-def airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowServices]:
+def airflow_services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowServices]:
     """The three components on a fresh home; the example DAG and tests/airflow/dags/sto_scheduled.py
     in its DAGs folder; pipeline state under the home."""
     home = tmp_path_factory.mktemp("airflow-services")
@@ -38,15 +36,17 @@ def airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowService
 
 
 @pytest.fixture(scope="module")
-def fault_runs(airflow: AirflowServices, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def fault_runs(
+    airflow_services: AirflowServices, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
     """One run of each fault DAG, triggered together (they train side by side)."""
     markers = RankMarkers(tmp_path_factory.mktemp("markers"))
     runs = {}
     for dag_id in FAULT_DAGS:
-        airflow.wait_for_dag(dag_id)
-        airflow.unpause(dag_id)
-        runs[dag_id] = airflow.trigger(dag_id, {"markers": str(markers.path)})
-    watcher = RankWatcher(airflow, markers, list(FAULT_DAGS))
+        airflow_services.wait_for_dag(dag_id)
+        airflow_services.unpause(dag_id)
+        runs[dag_id] = airflow_services.trigger(dag_id, {"markers": str(markers.path)})
+    watcher = RankWatcher(airflow_services, markers, list(FAULT_DAGS))
     yield markers, runs, watcher
     watcher.stop()
 
@@ -59,89 +59,94 @@ def _errors(records: list[dict[str, Any]]) -> list[str]:
     return [event for level, event in _levels(records) if level in ERROR_LEVELS]
 
 
-def test_the_example_dag_runs_on_its_schedule(airflow: AirflowServices, fault_runs: Any) -> None:
+def test_the_example_dag_runs_on_its_schedule(
+    airflow_services: AirflowServices, fault_runs: Any
+) -> None:
     """Unpaused, the scheduler starts the nightly run (catchup=False: the latest interval);
     every task succeeds, the model is registered and promoted, and the logs are clean.
     (``fault_runs`` only starts the fault DAGs first, so that they train alongside.)"""
     dag_id = "retrain_digits"
-    airflow.wait_for_dag(dag_id)
-    airflow.unpause(dag_id)
-    run = airflow.wait_until("the scheduled run", lambda: airflow.runs(dag_id), 120)[0]
+    airflow_services.wait_for_dag(dag_id)
+    airflow_services.unpause(dag_id)
+    run = airflow_services.wait_until(
+        "the scheduled run", lambda: airflow_services.runs(dag_id), 120
+    )[0]
     assert run["run_type"] == "scheduled"
     run_id = run["dag_run_id"]
-    assert airflow.wait_for_run(dag_id, run_id, timeout=1200) == "success", airflow.task_states(
-        dag_id, run_id
+    assert airflow_services.wait_for_run(dag_id, run_id, timeout=1200) == "success", (
+        airflow_services.task_states(dag_id, run_id)
     )
-    states = airflow.task_states(dag_id, run_id)
+    states = airflow_services.task_states(dag_id, run_id)
     assert set(states.values()) == {"success"} and len(states) == 5, states
-    finished = airflow.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}")
+    finished = airflow_services.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}")
     print(
         f"\nretrain_digits under the scheduler: {finished['start_date']} -> {finished['end_date']}"
     )
 
-    publish = airflow.api(
+    publish = airflow_services.api(
         "GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/publish/xcomEntries/return_value"
     )["value"]
     assert publish["version"] in (1, "1") and publish["promoted"] is True, publish
 
-    train = _levels(airflow.task_log(dag_id, run_id, "train", 1))
+    train = _levels(airflow_services.task_log(dag_id, run_id, "train", 1))
     rank_lines = [(level, event) for level, event in train if event.startswith("[rank ")]
     assert any(event.startswith("[rank 0|") for _, event in rank_lines), train[-40:]
     # Ranks' stdout at INFO; their stderr (warnings, progress) at WARNING; nothing at ERROR.
     assert {level for level, _ in rank_lines} <= {"info", "warning"}, rank_lines
     assert any(level == "info" and "epoch" in event for level, event in rank_lines)
     for task_id in states:
-        errors = _errors(airflow.task_log(dag_id, run_id, task_id, 1))
+        errors = _errors(airflow_services.task_log(dag_id, run_id, task_id, 1))
         assert errors == [], f"{task_id} succeeded but logged at ERROR: {errors}"
     # Spark's own lines and MLflow's notices are there, at their levels.
     assert ("warning", "spark jvm: Using incubator modules: jdk.incubator.vector") in train
-    published = _levels(airflow.task_log(dag_id, run_id, "publish", 1))
+    published = _levels(airflow_services.task_log(dag_id, run_id, "publish", 1))
     assert ("info", "Successfully registered model 'digits-cnn'.") in published, published
 
 
 def test_marking_a_training_task_failed_stops_every_process_of_the_try(
-    airflow: AirflowServices, fault_runs: Any
+    airflow_services: AirflowServices, fault_runs: Any
 ) -> None:
     _, runs, watcher = fault_runs
     dag_id = "sto_scheduled_mark_failed"
     processes, run_marker = watcher.processes(dag_id)
-    assert airflow.run_state(dag_id, runs[dag_id]) == "running"
-    airflow.mark_failed(dag_id, runs[dag_id], "train")
+    assert len(processes) >= 4, processes  # the ranks, their launcher(s), the task process
+    assert airflow_services.run_state(dag_id, runs[dag_id]) == "running"
+    airflow_services.mark_failed(dag_id, runs[dag_id], "train")
     gone_after = seconds_until_gone(processes, run_marker, timeout=60)
     print(f"\nmark failed: the last process of the try was gone after {gone_after:.1f} s")
-    assert airflow.task_instance(dag_id, runs[dag_id], "train")["state"] == "failed"
-    assert airflow.wait_for_run(dag_id, runs[dag_id], timeout=120) == "failed"
+    assert airflow_services.task_instance(dag_id, runs[dag_id], "train")["state"] == "failed"
+    assert airflow_services.wait_for_run(dag_id, runs[dag_id], timeout=120) == "failed"
 
 
 def test_execution_timeout_stops_every_process_of_the_try(
-    airflow: AirflowServices, fault_runs: Any
+    airflow_services: AirflowServices, fault_runs: Any
 ) -> None:
     _, runs, watcher = fault_runs
     dag_id = "sto_scheduled_timeout"
     # The try may have timed out already (the tests before this one take minutes).
     processes, run_marker = watcher.processes(dag_id)
     assert len(processes) >= 4  # the ranks, their launcher(s), the task process at least
-    assert airflow.wait_for_run(dag_id, runs[dag_id], timeout=400) == "failed"
+    assert airflow_services.wait_for_run(dag_id, runs[dag_id], timeout=400) == "failed"
     seconds_until_gone(processes, run_marker, timeout=30)
-    log = airflow.task_log(dag_id, runs[dag_id], "train", 1)
+    log = airflow_services.task_log(dag_id, runs[dag_id], "train", 1)
     assert any("timed out" in event.lower() for _, event in _levels(log)), _levels(log)[-30:]
 
 
 def test_a_failed_training_try_is_retried_and_the_retry_trains(
-    airflow: AirflowServices, fault_runs: Any
+    airflow_services: AirflowServices, fault_runs: Any
 ) -> None:
     markers, runs, _ = fault_runs
     dag_id = "sto_scheduled_flaky"
-    assert airflow.wait_for_run(dag_id, runs[dag_id], timeout=600) == "success"
-    instance = airflow.task_instance(dag_id, runs[dag_id], "train")
+    assert airflow_services.wait_for_run(dag_id, runs[dag_id], timeout=600) == "success"
+    instance = airflow_services.task_instance(dag_id, runs[dag_id], "train")
     assert (instance["state"], instance["try_number"]) == ("success", 2)
     assert len(markers.ranks(dag_id, 1)) >= 1 and len(markers.ranks(dag_id, 2)) == 2
-    first = _levels(airflow.task_log(dag_id, runs[dag_id], "train", 1))
+    first = _levels(airflow_services.task_log(dag_id, runs[dag_id], "train", 1))
     assert any("fails on the first try" in event for _, event in first), first[-30:]
-    second = airflow.task_log(dag_id, runs[dag_id], "train", 2)
+    second = airflow_services.task_log(dag_id, runs[dag_id], "train", 2)
     assert any(event.startswith("[rank 0|") for _, event in _levels(second))
     assert _errors(second) == []
-    xcom = airflow.api(
+    xcom = airflow_services.api(
         "GET",
         f"/dags/{dag_id}/dagRuns/{runs[dag_id]}/taskInstances/train/xcomEntries/return_value",
     )["value"]

@@ -36,7 +36,7 @@ from tests.support.cluster import cluster_env, free_port, spark_home, stop_proce
 from tests.support.driver import ROOT
 from tests.support.procs import processes_with_marker, wait_until_gone
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+pytestmark = pytest.mark.cluster
 
 # Every process this module starts carries the pid of the pytest process that started it, so
 # that a later run can tell the leftovers of a crashed one (owner gone) from a live one's.

@@ -281,7 +281,6 @@ needs_deepspeed = pytest.mark.skipif(
 )
 
 
-@pytest.mark.slow
 @needs_deepspeed
 @pytest.mark.parametrize("local_mode", [True, False], ids=["local", "barrier"])
 def test_real_deepspeed_zero1_on_cpu(local_mode: bool, request: pytest.FixtureRequest) -> None:

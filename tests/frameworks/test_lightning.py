@@ -165,7 +165,6 @@ DRIVER = textwrap.dedent(
 
 
 @pytest.mark.cluster
-@pytest.mark.slow
 def test_lightning_barrier_mode_on_standalone_cluster(
     standalone_cluster: cluster_support.Cluster, tmp_path: Path
 ) -> None:

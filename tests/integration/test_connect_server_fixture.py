@@ -10,11 +10,7 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from tests.support.connect_server import ConnectServer
-
-pytestmark = pytest.mark.slow
 
 CLIENT = """\
 import sys

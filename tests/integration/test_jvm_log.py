@@ -9,10 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
-pytestmark = pytest.mark.slow
-
 SCRIPT = textwrap.dedent(
     """
     import logging, sys

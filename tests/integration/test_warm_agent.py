@@ -36,8 +36,6 @@ from tests.support.procs import (
     warm_processes,
 )
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(autouse=True)
 def no_warm_process_before_or_after() -> Any:

@@ -3,9 +3,10 @@ for the whole session (it takes 15-30 s to start), results stored under a tempor
 
 from __future__ import annotations
 
+import functools
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -93,6 +94,16 @@ def task_runs(flow_run_id: UUID, count: int = 1) -> list[Any]:
             if recorded or time.monotonic() > deadline:
                 return runs
             time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def prefect_runner(prefect_api: str) -> Callable[..., Any]:
+    """``with prefect_runner(script, args, workdir=...) as served:`` serves a flow script with a
+    Prefect runner subprocess against the session's API (``serve_flow_script`` of
+    tests/support/prefect_served.py); tests that use it are e2e."""
+    from tests.support.prefect_served import serve_flow_script
+
+    return functools.partial(serve_flow_script, api_url=prefect_api)
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ from tests.support.prefect_served import (
     describe,
     flow_run_process,
     process_tree,
-    serve_flow_script,
     spawned_processes,
     wait_for,
     wait_for_deployment,
@@ -46,10 +45,9 @@ def _seconds_until(condition: Any, started: float, timeout: float) -> float | No
         time.sleep(0.1)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_served_retrain_digits_runs_a_deployment_to_completion(
-    prefect_api: str, tmp_path: Path
+    prefect_runner: Callable[..., Any], tmp_path: Path
 ) -> None:
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client
@@ -69,10 +67,9 @@ def test_served_retrain_digits_runs_a_deployment_to_completion(
     # (Spark's scratch) all stay under tmp_path.
     env = {"MLFLOW_TRACKING_URI": None, "SPARKTORCH_STATE": None}
     with (
-        serve_flow_script(
+        prefect_runner(
             RETRAIN_SCRIPT,
             args,
-            api_url=prefect_api,
             workdir=tmp_path / "serve",
             cwd=tmp_path,
             env=env,
@@ -132,17 +129,14 @@ def test_served_retrain_digits_runs_a_deployment_to_completion(
 
 @pytest.fixture(scope="module")
 def served_sleepy(
-    prefect_api: str, tmp_path_factory: pytest.TempPathFactory
+    prefect_runner: Callable[..., Any], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServedFlow]:
     """``tests/prefect/served_flow.py`` served as ``sleepy-training/served-test``."""
     workdir = tmp_path_factory.mktemp("served-sleepy")
-    with serve_flow_script(
-        SLEEPY_SCRIPT, [SLEEPY_DEPLOYMENT], api_url=prefect_api, workdir=workdir, cwd=workdir
-    ) as served:
+    with prefect_runner(SLEEPY_SCRIPT, [SLEEPY_DEPLOYMENT], workdir=workdir, cwd=workdir) as served:
         yield served
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("local_mode", [True, False], ids=["local", "barrier"])
 def test_cancelling_a_served_run_leaves_no_process_behind(
     served_sleepy: ServedFlow,
