@@ -322,9 +322,13 @@ def test_provider_info_matches_airflow_schema() -> None:
     options = info["config"]["sparktorch_ops"]["options"]
     assert int(options["max_xcom_value_bytes"]["default"]) == 48 * 1024
     # Once the package declares the entry point, Airflow finds exactly this function.
-    for entry_point in importlib.metadata.entry_points(group="apache_airflow_provider"):
-        if entry_point.dist and canonicalize_name(entry_point.dist.name) == "sparktorch-ops":
-            assert entry_point.load() is get_provider_info
+    ours = [
+        entry_point
+        for entry_point in importlib.metadata.entry_points(group="apache_airflow_provider")
+        if entry_point.dist and canonicalize_name(entry_point.dist.name) == "sparktorch-ops"
+    ]
+    assert len(ours) == 1, ours
+    assert ours[0].load() is get_provider_info
 
 
 def test_operator_declares_templates_and_link() -> None:

@@ -27,13 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
-import pytest
 
 from sparktorch_ops import TorchDistributor, channel, messages
 from sparktorch_ops.events import CHANNEL_OPEN, PhaseEvent
 from sparktorch_ops.planning import RUN_ID_ENV
-
-pytestmark = pytest.mark.slow
 
 Address = tuple[str, int]
 HEADER = struct.Struct("!BI")
@@ -272,6 +269,7 @@ def test_garbage_on_every_port_of_a_live_run_does_not_break_it(tmp_path: Path) -
             kinds[name](address)
             tried.append(name)
         store_ports = _rendezvous_ports(run_id, port)
+        assert store_ports, "found no rendezvous store port of the run to fuzz"
         for store in store_ports:
             for name in ("random 4 KiB", "HELLO claiming 4 GiB", "connect and reset", "HTTP GET"):
                 CHANNEL_KINDS[name](store)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -361,6 +362,8 @@ def test_a_spark_job_killed_from_outside_is_a_cancellation(
     assert not thread.is_alive()
     error = outcome.get("error")
     assert isinstance(error, SparkJobKilledError), repr(error)
-    assert "SPARK_JOB_CANCELLED" in str(error) or "cancelled" in str(error)
+    # Spark's own reason, not only our prefix: the job was cancelled on Spark's side.
+    assert "killed outside sparktorch_ops" in str(error)
+    assert re.search(r"\[SPARK_JOB_CANCELLED\]|\bJob \d+ cancelled\b", str(error)), str(error)
     assert time.monotonic() - started < 60
     assert not wait_until_gone(run_id, timeout=30)

@@ -145,7 +145,7 @@ def _conn(recorder: Recorder, rank: int) -> int:
 def test_a_relay_refuses_a_client_without_the_secret(tmp_path: Any) -> None:
     relay = Relay(SECRET, str(tmp_path / "frames"))
     hello = Hello(role="supervisor", rank=0, host="h", attempt=0, pid=1)
-    with pytest.raises(channel.ChannelError):
+    with pytest.raises(channel.ChannelError, match="did not accept"):
         channel.ChannelClient.connect(relay.address, "cd" * 32, hello, timeout=3)
     relay.close()
     assert list(relay.frames()) == []

@@ -279,7 +279,9 @@ def test_drop_last_drops_the_final_partial_batch_on_every_rank(as_rank: Any) -> 
 
 def test_features_stay_aligned_and_keep_their_dtypes(as_rank: Any) -> None:
     as_rank(0)
+    batches = 0
     for batch in data.partition_loader(50):
+        batches += 1
         ids = batch["id"]
         assert ids.dtype == torch.int64
         assert batch["x"].dtype == torch.float32 and batch["small"].dtype == torch.int32
@@ -291,6 +293,7 @@ def test_features_stay_aligned_and_keep_their_dtypes(as_rank: Any) -> None:
         assert torch.equal(batch["feats"][:, 2], (ids + 2).to(torch.float32))
         assert batch["pair"].dtype == torch.float64
         assert torch.equal(batch["pair"], torch.stack([ids, -ids], 1).to(torch.float64))
+    assert batches == 11  # 501 rows in batches of 50
 
 
 def test_ml_vectors_dense_and_sparse_become_one_float64_matrix(as_rank: Any) -> None:
@@ -354,49 +357,56 @@ def test_shuffle_with_wrap_around_still_yields_every_row(as_rank: Any) -> None:
 
 
 # DataLoader worker processes are forked from the test process: one that has run Airflow,
-# Prefect and Spark tests before (the whole suite) loses them at start-up, so these tests run
-# in a fresh interpreter (test_worker_processes_in_a_fresh_interpreter, or the blocked tier).
-FRESH_ENV = "SPARKTORCH_OPS_FRESH_WORKERS"
-INNER_RUN = "SPARKTORCH_OPS_TESTS_INNER_UNIT_RUN"  # test_tier's blocked run: fresh too
-WORKER_TESTS = ("workers_split", "survives_pickling", "loader_in_worker_processes")
-in_a_fresh_interpreter = pytest.mark.skipif(
-    not (os.environ.get(FRESH_ENV) or os.environ.get(INNER_RUN)),
-    reason="runs in a fresh interpreter: test_worker_processes_in_a_fresh_interpreter",
-)
-
-
-def test_worker_processes_in_a_fresh_interpreter() -> None:
-    if os.environ.get(FRESH_ENV) or os.environ.get(INNER_RUN):
-        return  # already in one: the tests below run here directly
+# Prefect and Spark tests before (``scripts/test.sh -m "not e2e"``) loses them at start-up, so
+# the worker checks always run in a fresh interpreter of their own.
+def test_dataloader_worker_processes_in_a_fresh_interpreter(tmp_path: Path) -> None:
+    code = (
+        "from tests.unit.test_data import worker_checks; "
+        f"worker_checks({str(tmp_path)!r}); print('worker checks passed')"
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
-         "-k", " or ".join(WORKER_TESTS)],
-        env={**os.environ, FRESH_ENV: "1"}, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0 and "3 passed" in proc.stdout, proc.stdout[-3000:]
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("worker checks passed"), proc.stdout[-3000:]
 
 
-@in_a_fresh_interpreter
-def test_workers_split_the_batches_and_keep_their_order(as_rank: Any) -> None:
-    as_rank(0)
+def worker_checks(scratch: str) -> None:
+    """Every check that starts DataLoader worker processes, as rank 0 of two shards in
+    ``scratch`` (run by the test above in a fresh interpreter)."""
+    shards = data.write_shards(iter(make_batches()), SCHEMA, scratch, 2)
+    os.environ.update(data.rank_env(shards[0].path, "", data.epoch_rows(s.rows for s in shards)))
+    os.environ["RANK"] = "0"
+
+    # Workers split the batches and keep their order.
     alone = ids_of(data.partition_loader(40, shuffle=True, seed=3))
-    loader = data.partition_loader(40, shuffle=True, seed=3, num_workers=2)
-    assert ids_of(loader) == alone
+    assert ids_of(data.partition_loader(40, shuffle=True, seed=3, num_workers=2)) == alone
 
-
-@in_a_fresh_interpreter
-def test_the_dataset_survives_pickling_and_a_plain_dataloader(as_rank: Any) -> None:
-    as_rank(0)
+    # The dataset survives pickling (what a spawned worker gets) and a plain DataLoader, whose
+    # own conversion makes the workers' numpy batches tensors.
     loader = data.partition_loader(40, shuffle=True, seed=3)
     loader.set_epoch(2)
     expected = ids_of(loader)
-    copy = pickle.loads(pickle.dumps(loader.dataset))  # what a spawned worker gets
+    copy = pickle.loads(pickle.dumps(loader.dataset))
     assert ids_of(copy) == expected
-    # A plain DataLoader's own conversion makes the workers' numpy batches tensors.
     plain = torch.utils.data.DataLoader(loader.dataset, batch_size=None, num_workers=2)
     batches = list(plain)
     assert all(isinstance(b["feats"], torch.Tensor) for b in batches)
     assert [i for b in batches for i in b["id"].tolist()] == expected
+
+    # pyspark's loader in worker processes yields what it yields without them.
+    reference = list(data.get_spark_partition_data_loader(700, 64, num_workers=0))
+    for workers in (1, 2):
+        got = list(data.get_spark_partition_data_loader(700, 64, num_workers=workers))
+        assert len(got) == len(reference) == 11
+        for mine, theirs in zip(got, reference, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
 
 
 def test_a_string_column_is_refused_unless_left_out(tmp_path: Path, monkeypatch: Any) -> None:
@@ -493,17 +503,6 @@ def test_pyspark_style_loader_yields_lists_of_column_tensors(as_rank: Any) -> No
     assert [int(i) for b in batches for i in b[0]] == shard[:10]  # the first num_samples rows
     wrapped = data.get_spark_partition_data_loader(len(shard) + 5, 100, num_workers=0)
     assert [int(i) for b in wrapped for i in b[0]] == shard + shard[:5]
-
-
-@in_a_fresh_interpreter
-def test_pyspark_style_loader_in_worker_processes(as_rank: Any) -> None:
-    as_rank(0)
-    reference = list(data.get_spark_partition_data_loader(700, 64, num_workers=0))
-    for workers in (1, 2):
-        got = list(data.get_spark_partition_data_loader(700, 64, num_workers=workers))
-        assert len(got) == len(reference) == 11
-        for mine, theirs in zip(got, reference, strict=True):
-            assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
 
 
 def test_reading_a_shard_does_not_import_pandas(shards: list[ShardFile]) -> None:

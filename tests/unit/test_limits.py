@@ -277,13 +277,18 @@ def test_the_cli_checks_its_arguments_before_spark_starts(
     script = tmp_path / "train.py"
     script.write_text("print('never runs')\n")
     master = [] if "--master" in args else ["--master", "local[2]"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import pyspark"], capture_output=True, text=True, env=env
+    )
+    assert probe.returncode != 0 and "pyspark is blocked" in probe.stderr  # the block holds
     proc = subprocess.run(
         [sys.executable, "-m", "sparktorch_ops.cli", "run", *master, *args, str(script)],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])},
+        env=env,
     )
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert argument in proc.stderr and "blocked" not in proc.stderr, proc.stderr

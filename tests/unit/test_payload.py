@@ -243,6 +243,7 @@ def test_shipping_by_value_leaves_no_registration_behind(
 ) -> None:
     module, _ = driver_only_modules
     pickle_call(module.train, (1,), {})  # type: ignore[attr-defined]
+    assert module.__name__ not in cloudpickle.list_registry_pickle_by_value()  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="not registered"):
         cloudpickle.unregister_pickle_by_value(module)  # type: ignore[arg-type]
 
@@ -251,10 +252,11 @@ def test_a_callers_own_by_value_registration_survives(
     driver_only_modules: tuple[object, Path],
 ) -> None:
     module, _ = driver_only_modules
+    name = module.__name__  # type: ignore[attr-defined]
     cloudpickle.register_pickle_by_value(module)  # type: ignore[arg-type]
     try:
         pickle_call(module.train, (1,), {})  # type: ignore[attr-defined]
-        cloudpickle.unregister_pickle_by_value(module)  # type: ignore[arg-type]
+        assert name in cloudpickle.list_registry_pickle_by_value()
     finally:
         with contextlib.suppress(ValueError):
             cloudpickle.unregister_pickle_by_value(module)  # type: ignore[arg-type]
