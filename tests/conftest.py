@@ -34,7 +34,7 @@ E2E_FIXTURES = frozenset(
         "standalone_cluster",  # a Spark standalone master and workers
         "two_hosts",  # a standalone cluster across network namespaces
         "connect_server",  # a Spark Connect server
-        "doomed_connect_server",  # a Connect server of the test's own, which the test kills
+        "doomed_connect_server",  # the Connect server, for a test that kills it
         "airflow_services",  # Airflow's scheduler, DAG processor and API server
         "prefect_runner",  # a Prefect runner serving deployments (flow.serve)
         "mlflow_server",  # an MLflow tracking server
@@ -72,6 +72,8 @@ def tier_of(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Tests that kill a shared service go last.
+    items.sort(key=lambda item: "doomed_connect_server" in getattr(item, "fixturenames", ()))
     for item in items:
         tier = tier_of(item)
         if item.get_closest_marker(tier) is None:
@@ -153,9 +155,8 @@ def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Connect
 
 
 @pytest.fixture
-def doomed_connect_server(tmp_path: Path) -> Iterator[ConnectServer]:
-    """A Spark Connect server for this test alone: the test may kill it."""
-    from tests.support import connect_server as connect_support
-
-    with connect_support.running_connect_server(tmp_path) as server:
-        yield server
+def doomed_connect_server(connect_server: ConnectServer) -> ConnectServer:
+    """The session's Connect server, for a test that kills it: such tests run after every
+    other test (``pytest_collection_modifyitems``), so nothing needs the server after them and
+    no second server has to start."""
+    return connect_server

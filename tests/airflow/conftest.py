@@ -140,18 +140,23 @@ def load_dag(dag_id: str) -> Any:
 
 @pytest.fixture(scope="session")
 def run_dag(airflow_db: Path) -> Iterator[Any]:
-    """``run_dag(capfd, dag_id, **conf)``: run the DAG once with ``dag.test()``, capture its log.
+    """``run_dag(capfd, dag_id, logical_date=None, **conf)``: run the DAG once with
+    ``dag.test()``, capture its log.
 
     The outcome is kept for the session, so several tests can check one run of a DAG.
     """
     outcomes: dict[str, DagRunOutcome] = {}
 
-    def run(capfd: pytest.CaptureFixture[str], dag_id: str, **conf: Any) -> DagRunOutcome:
-        key = f"{dag_id} {sorted(conf.items())}"
+    def run(
+        capfd: pytest.CaptureFixture[str], dag_id: str, logical_date: Any = None, **conf: Any
+    ) -> DagRunOutcome:
+        key = f"{dag_id} {logical_date} {sorted(conf.items())}"
         if key not in outcomes:
             dag = load_dag(dag_id)
             capfd.readouterr()
-            dag_run = dag.test(run_conf=conf or None)
+            # No logical_date at all (not None, which means a run without one): now.
+            dated = {} if logical_date is None else {"logical_date": logical_date}
+            dag_run = dag.test(run_conf=conf or None, **dated)
             out, err = capfd.readouterr()
             outcomes[key] = DagRunOutcome(
                 dag_id, dag_run.run_id, str(dag_run.state), out + err, dag_run.logical_date

@@ -64,74 +64,90 @@ def test_a_run_without_a_logical_date_is_for_the_day_it_was_triggered() -> None:
     assert env.from_string(sql).render(**context).endswith("WHERE ds <= '2026-01-02'")
 
 
-def test_example_dag_trains_tracks_and_promotes_only_a_better_model(
-    capfd: pytest.CaptureFixture[str], run_dag: Any, tmp_path_factory: pytest.TempPathFactory
+@pytest.fixture(scope="session")
+def example_state(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The state directory (table, MLflow store, champion) that the example runs share."""
+    return tmp_path_factory.mktemp("example-state")
+
+
+@pytest.fixture
+def example_dag_runs(
+    capfd: pytest.CaptureFixture[str], run_dag: Any, example_state: Path
+) -> dict[int, Any]:
+    """The example DAG run end to end three times on one state directory, by day of March
+    2025, memoized for the session: the 2nd first (2 epochs: it trains from scratch, is
+    registered and promoted), then the 1st backfilled late with a diverging learning rate (it
+    sees its own day only; registered, not promoted), then the 3rd (every day so far)."""
+    import pendulum
+
+    runs = {}
+    for day, conf in ((2, {"epochs": 2}), (1, {"epochs": 1, "lr": 50.0}), (3, {"epochs": 1})):
+        runs[day] = run_dag(
+            capfd,
+            "retrain_digits",
+            logical_date=pendulum.datetime(2025, 3, day, 3, tz="UTC"),
+            state=str(example_state),
+            **conf,
+        )
+    return runs
+
+
+def test_example_dag_trains_tracks_and_registers(
+    example_dag_runs: dict[int, Any], example_state: Path
 ) -> None:
     from mlflow.tracking import MlflowClient
 
-    state = tmp_path_factory.mktemp("state")
-    outcome = run_dag(capfd, "retrain_digits", state=str(state), epochs=6)
+    outcome = example_dag_runs[2]
     assert outcome.state == "success"
-
     train = outcome.xcom("train")
     assert (train["num_processes"], train["mode"]) == (2, "barrier")
-    day = outcome.logical_date.strftime("%Y-%m-%d")
-    assert (state / "warehouse" / "digits" / f"ds={day}").is_dir()
+    assert (example_state / "warehouse" / "digits" / "ds=2025-03-02").is_dir()
     assert train["input"]["rows"] == 600 and train["input"]["columns"] == ["pixels", "label"]
     # The weights are not JSON: they went to the run's result location, not into XCom.
     assert "value" not in train
-    assert train["value_uri"].startswith((state / "runs").as_uri())
+    assert train["value_uri"].startswith((example_state / "runs").as_uri())
     assert "torch.Tensor" in train["value_stored_because"]
     assert train["metrics"]["loss"] > 0 and train["progress"] == 1.0
-    assert "[rank 0|" in outcome.task_log("train") and "epoch 5: loss" in outcome.task_log("train")
+    assert train["checkpoint"]["warm_start_from"] is None  # the first run: from scratch
+    log = outcome.task_log("train")
+    assert "[rank 0|" in log and "epoch 1: loss" in log
 
     # One MLflow run per training, in the embedded SQLite store under the state directory.
-    client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
+    client = MlflowClient(f"sqlite:///{example_state / 'mlflow.db'}")
     run = client.get_run(train["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["airflow.dag_id"] == "retrain_digits"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(6))
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0, 1]
     metrics = outcome.xcom("evaluate")
     assert 0.5 < metrics["accuracy"] <= 1.0
-    assert (
-        run.info.run_id
-        and client.get_run(run.info.run_id).data.metrics["test_accuracy"] == (metrics["accuracy"])
-    )
+    assert client.get_run(run.info.run_id).data.metrics["test_accuracy"] == metrics["accuracy"]
     published = outcome.xcom("publish")
     assert published["promoted"] is True and published["version"] == "1"
-    assert str(client.get_model_version_by_alias("digits-cnn", "champion").version) == "1"
 
-    # A worse model (a diverging learning rate) is registered, but the champion stays.
-    worse = run_dag(capfd, "retrain_digits", state=str(state), epochs=1, lr=50.0)
+
+def test_a_worse_model_is_registered_but_the_champion_stays(
+    example_dag_runs: dict[int, Any], example_state: Path
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    first, worse = example_dag_runs[2], example_dag_runs[1]
     assert worse.state == "success"
-    assert worse.xcom("train")["checkpoint"]["warm_start_from"] is not None  # from the champion
+    # Warm-started from the champion's weights, then diverged (lr=50).
+    assert worse.xcom("train")["checkpoint"]["warm_start_from"].startswith(
+        str(example_state / "champion")
+    )
     record = worse.xcom("publish")
     assert record["version"] == "2" and record["promoted"] is False
-    assert worse.xcom("evaluate")["accuracy"] < metrics["accuracy"]
+    assert worse.xcom("evaluate")["accuracy"] < first.xcom("evaluate")["accuracy"]
+    client = MlflowClient(f"sqlite:///{example_state / 'mlflow.db'}")
     assert str(client.get_model_version_by_alias("digits-cnn", "champion").version) == "1"
 
 
 def test_each_scheduled_run_trains_on_the_days_up_to_its_logical_date(
-    airflow_db: Path, tmp_path_factory: pytest.TempPathFactory
+    example_dag_runs: dict[int, Any], example_state: Path
 ) -> None:
-    import pendulum
-
-    from tests.airflow.conftest import load_dag, read_xcom
-
-    state = tmp_path_factory.mktemp("state")
-    dag = load_dag("retrain_digits")
-    seen, warm = [], []
     # March 2nd first; March 1st backfilled late sees only its own day, not March 2nd's rows.
-    for day in (2, 1, 3):
-        run = dag.test(
-            logical_date=pendulum.datetime(2025, 3, day, 3, tz="UTC"),
-            run_conf={"state": str(state), "epochs": 1},
-        )
-        assert str(run.state) == "success"
-        summary = read_xcom(run.dag_id, run.run_id, "train", "return_value")
-        seen.append(summary["input"]["rows"])
-        warm.append(summary["checkpoint"]["warm_start_from"])
-    assert seen == [600, 600, 1800]
-    # The first run trains from scratch; later ones warm-start from the champion's weights.
-    assert warm[0] is None and warm[1] is not None and warm[1].startswith(str(state / "champion"))
-    partitions = sorted(p.name for p in (state / "warehouse" / "digits").glob("ds=*"))
+    rows = {day: run.xcom("train")["input"]["rows"] for day, run in example_dag_runs.items()}
+    assert rows == {2: 600, 1: 600, 3: 1800}
+    assert example_dag_runs[3].state == "success"
+    partitions = sorted(p.name for p in (example_state / "warehouse" / "digits").glob("ds=*"))
     assert partitions == ["ds=2025-03-01", "ds=2025-03-02", "ds=2025-03-03"]

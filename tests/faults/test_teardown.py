@@ -164,7 +164,7 @@ def test_cancel_from_a_sigterm_handler_on_the_main_thread(tmp_path: Path) -> Non
 
 
 def test_timeout_expiring(mode: str, spark: Any, tmp_path: Path) -> None:
-    run = Run(distributor(mode, spark, timeout=20), long_training, str(tmp_path))
+    run = Run(distributor(mode, spark, timeout=12), long_training, str(tmp_path))
     pids = wait_ready(tmp_path)
     run_id = run_id_of(pids[0])
     error = run.result()
@@ -174,7 +174,7 @@ def test_timeout_expiring(mode: str, spark: Any, tmp_path: Path) -> None:
 
 
 def test_rank_hanging_in_a_collective_is_ended_by_the_timeout(tmp_path: Path) -> None:
-    run = Run(distributor("local", None, timeout=15), hang_in_collective, str(tmp_path))
+    run = Run(distributor("local", None, timeout=10), hang_in_collective, str(tmp_path))
     pids = wait_ready(tmp_path)
     run_id = run_id_of(pids[0])
     assert isinstance(run.result(), TrainingTimeoutError)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +14,6 @@ import torch
 from sparktorch_ops.distributor import TorchDistributor
 from sparktorch_ops.errors import TrainingFailedError
 from sparktorch_ops.lightning import lightning_trainer_kwargs
-from tests.support import cluster as cluster_support
 from tests.support.procs import wait_until_gone
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,70 +126,14 @@ def test_wrong_layout_fails_fast_with_lightnings_error() -> None:
     assert "(3 * 1)" in first.output_tail
 
 
-DRIVER = textwrap.dedent(
-    """
-    import json, sys
-    sys.path.insert(0, {examples!r})
-    import torch
-    from pyspark.sql import SparkSession
-    import lightning_digits
-    from sparktorch_ops.distributor import TorchDistributor
-
-    spark = (
-        SparkSession.builder.master({master!r})
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.ui.showConsoleProgress", "false")
-        .getOrCreate()
-    )
-    distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+def test_lightning_barrier_mode(spark: Any) -> None:
+    """Two barrier tasks of one rank each on the shared session: Lightning sees 2 nodes of 1
+    device, as on a cluster of two executors."""
+    distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark)
     result = distributor.launch(lightning_digits.train, epochs=2)
-    value = result.value
-    returned = torch.nn.utils.parameters_to_vector(list(value["state_dict"].values()))
-    output = distributor.run({script!r}, "--epochs=1")
-    print("RESULT " + json.dumps({{
-        "mode": result.mode,
-        "layout": value["layout"],
-        "world_size": value["world_size"],
-        "same_weights": [torch.equal(row, returned) for row in value["rank_weights"]],
-        "losses": value["losses"],
-        "test_accuracy": value["test_accuracy"],
-        "metric_ranks": sorted({{m.rank for m in result.metrics}}),
-        "script_last_line": output.strip().splitlines()[-1],
-    }}))
-    spark.stop()
-    """
-)
-
-
-@pytest.mark.cluster
-def test_lightning_barrier_mode_on_standalone_cluster(
-    standalone_cluster: cluster_support.Cluster, tmp_path: Path
-) -> None:
-    driver = tmp_path / "driver.py"
-    driver.write_text(
-        DRIVER.format(
-            examples=str(ROOT / "examples"),
-            master=standalone_cluster.master_url,
-            script=str(EXAMPLE),
-        )
-    )
-    proc = subprocess.run(
-        [sys.executable, str(driver)],
-        cwd=tmp_path,
-        env=cluster_support.cluster_env(),
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    got = json.loads(line[len("RESULT ") :])
-    # Two barrier tasks of one rank each: Lightning sees 2 nodes of 1 device.
-    assert got["mode"] == "barrier"
-    assert got["layout"] == {"devices": 1, "num_nodes": 2}
-    assert got["world_size"] == 2
-    assert got["same_weights"] == [True, True]
-    assert got["losses"][-1] < 0.6 * got["losses"][0]
-    assert got["test_accuracy"] > 0.75
-    assert got["metric_ranks"] == [0, 1]
-    assert "world_size=2 layout={'devices': 1, 'num_nodes': 2}" in got["script_last_line"]
+    assert result.mode == "barrier"
+    _check_fit(result.value, {"devices": 1, "num_nodes": 2})
+    assert sorted({m.rank for m in result.metrics}) == [0, 1]
+    output = distributor.run(str(EXAMPLE), "--epochs=1")
+    last = output.strip().splitlines()[-1]
+    assert "world_size=2 layout={'devices': 1, 'num_nodes': 2}" in last, output

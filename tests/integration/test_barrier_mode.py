@@ -122,6 +122,7 @@ def quarter_gib_bytes() -> bytes | None:
     return bytes(range(256)) * (1 << 20)  # 256 MiB
 
 
+@pytest.mark.large_transfer  # the one test at this size; the others send ~40 MiB
 def test_a_256_mib_value_from_an_executor_arrives_whole(spark: Any) -> None:
     value = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark).run(
         quarter_gib_bytes

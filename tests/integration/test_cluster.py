@@ -27,29 +27,11 @@ spark.sparkContext.setLogLevel("ERROR")
 """
 
 
-def test_code_shipping_on_the_standalone_cluster(
-    standalone_cluster: Cluster, tmp_path: Path
-) -> None:
-    (tmp_path / "userlib").mkdir()
-    (tmp_path / "userlib" / "helpers.py").write_text(
-        "import os\n"
-        "def scale(x):\n"
-        "    return x * 10\n"
-        "def from_module(x, *, offset=0):\n"
-        "    return {'value': scale(x) + offset, 'rank': int(os.environ['RANK'])}\n"
-    )
-    (tmp_path / "only_on_driver.py").write_text(
-        "import os, sys\n"
-        "if os.environ['RANK'] == '0':\n"
-        "    print('script', __file__ != sys.argv[0] or __file__, sys.argv[1:])\n"
-    )
-    result, output = run_driver(
-        tmp_path,
-        SESSION.format(master=standalone_cluster.master_url)
-        + f"""
+STANDALONE_PROGRAM = """
 import os, sys
-sys.path.insert(0, {str(tmp_path / "userlib")!r})  # importable on the driver only
+sys.path.insert(0, {userlib!r})  # importable on the driver only
 import helpers
+from pyspark.sql import functions as F
 from sparktorch_ops import TorchDistributor
 
 def main_fn(a, b=1):
@@ -63,23 +45,88 @@ factor = 7
 def closure():
     return factor * int(os.environ["WORLD_SIZE"])
 
+def shard_ids(batch_size):
+    import torch.distributed as dist
+    from sparktorch_ops.data import partition_loader
+    dist.init_process_group("gloo")
+    ids, batches, aligned = [], 0, True
+    for batch in partition_loader(batch_size, columns=["id", "x"]):
+        batches += 1
+        ids += batch["id"].tolist()
+        aligned &= bool((batch["x"] == batch["id"].float() / 2).all())
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, {{"ids": ids, "batches": batches, "aligned": aligned}})
+    dist.destroy_process_group()
+    return out
+
 # No start_timeout: the first run right after getOrCreate() waits for the executors to register.
 d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark)
 out = {{}}
 out["main"] = d.run(main_fn, 1, b=2)
 out["closure"] = d.run(closure)
 out["module"] = d.run(helpers.from_module, 4, offset=1)
-out["script"] = d.run({str(tmp_path / "only_on_driver.py")!r}, "--lr=0.5")
+out["script"] = d.run({script!r}, "--lr=0.5")
 out["executors"] = sorted(spark.sparkContext._jsc.sc().getExecutorMemoryStatus().keySet().toString().split(","))
+frame = spark.range(1000, numPartitions=5).withColumn("x", (F.col("id") / 2).cast("float"))
+result = d.launch_on_dataframe(shard_ids, frame, 100)
+out["dataframe"] = {{"ranks": result.value, "input": result.input}}
 emit(out)
-""",
+"""
+
+
+@pytest.fixture(scope="module")
+def standalone_runs(
+    standalone_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, Any], str, Path]:
+    """One driver program on the standalone cluster, its runs checked by the tests below:
+    (what it emitted, its output, its directory)."""
+    tmp_path = tmp_path_factory.mktemp("standalone-driver")
+    (tmp_path / "userlib").mkdir()
+    (tmp_path / "userlib" / "helpers.py").write_text(
+        "import os\n"
+        "def scale(x):\n"
+        "    return x * 10\n"
+        "def from_module(x, *, offset=0):\n"
+        "    return {'value': scale(x) + offset, 'rank': int(os.environ['RANK'])}\n"
     )
+    (tmp_path / "only_on_driver.py").write_text(
+        "import os, sys\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    print('script', __file__ != sys.argv[0] or __file__, sys.argv[1:])\n"
+    )
+    program = STANDALONE_PROGRAM.format(
+        userlib=str(tmp_path / "userlib"), script=str(tmp_path / "only_on_driver.py")
+    )
+    result, output = run_driver(
+        tmp_path, SESSION.format(master=standalone_cluster.master_url) + program
+    )
+    return result, output, tmp_path
+
+
+def test_code_shipping_on_the_standalone_cluster(
+    standalone_runs: tuple[dict[str, Any], str, Path],
+) -> None:
+    result, output, tmp_path = standalone_runs
     assert result["main"] == {"sum": 3, "world": 2, "host": "127.0.0.1"}, output
     assert result["closure"] == 14
     assert result["module"] == {"value": 41, "rank": 0}
     script_line = result["script"].strip()
     assert script_line.startswith("script") and "--lr=0.5" in script_line
     assert str(tmp_path) not in script_line  # ran from the shipped copy, not the driver's file
+
+
+def test_dataframe_input_on_the_standalone_cluster(
+    standalone_runs: tuple[dict[str, Any], str, Path],
+) -> None:
+    """A DataFrame of uneven partitions reaches both barrier tasks on two workers: every row on
+    exactly one rank, equal batches, features aligned with their row."""
+    result, output, _ = standalone_runs
+    ranks = result["dataframe"]["ranks"]
+    first, second = (set(r["ids"]) for r in ranks)
+    assert first.isdisjoint(second) and first | second == set(range(1000)), output[-3000:]
+    assert ranks[0]["batches"] == ranks[1]["batches"] and all(r["aligned"] for r in ranks)
+    assert result["dataframe"]["input"]["rows"] == 1000
+    assert result["dataframe"]["input"]["columns"] == ["id", "x"]
 
 
 ATTEMPTS = """
@@ -109,18 +156,6 @@ def attempt(python, conf):
 
 emit({name: attempt(python, conf) for name, (python, conf) in CASES.items()})
 """
-
-
-def _attempt_barrier_runs(
-    tmp_path: Path, cases: dict[str, tuple[str, dict[str, str]]]
-) -> tuple[dict[str, Any], str]:
-    """One driver; per case a fresh local[2] session whose executors run ``python`` with
-    ``conf``, and a barrier run on it. Returns each case's ConfigError (or None), and the log."""
-    result, output = run_driver(tmp_path, f"CASES = {cases!r}\n" + ATTEMPTS)
-    for name, case in result.items():
-        assert case["error"] is not None, f"{name}: the barrier run did not fail\n{output[-3000:]}"
-        assert case["seconds"] < 60, f"{name}: failed only after {case['seconds']:.0f} s"
-    return result, output
 
 
 def _python_version(python: str) -> tuple[int, int] | None:
@@ -157,20 +192,35 @@ def _other_cpython() -> tuple[str, str] | None:
     return None
 
 
-def test_dynamic_allocation_is_a_clear_error(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def refused_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, str]:
+    """One driver, a barrier run per case on a fresh local[2] session, each of which must fail
+    before launch: dynamic allocation on; executors on a venv of this Python without torch;
+    executors on another CPython minor version (when this machine has one). Returns each
+    case's ConfigError, the driver's output and the torch-less interpreter."""
+    tmp_path = tmp_path_factory.mktemp("refused-runs")
+    venv = tmp_path / "no-torch-venv"
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    bare = str(venv / "bin" / "python")
+    no_torch = subprocess.run([bare, "-c", "import torch"], capture_output=True, timeout=60)
+    assert no_torch.returncode != 0, "the throwaway venv can import torch"
+    assert _python_version(bare) == sys.version_info[:2]
+    dynamic = {"spark.dynamicAllocation.enabled": "true", "spark.shuffle.service.enabled": "false"}
+    cases = {"dynamic": (sys.executable, dynamic), "no_torch": (bare, {})}
+    other = _other_cpython()
+    if other is not None:
+        cases["version"] = (other[0], {})
+    result, output = run_driver(tmp_path, f"CASES = {cases!r}\n" + ATTEMPTS)
+    for name, case in result.items():
+        assert case["error"] is not None, f"{name}: the barrier run did not fail\n{output[-3000:]}"
+        assert case["seconds"] < 60, f"{name}: failed only after {case['seconds']:.0f} s"
+    return result, output, bare
+
+
+def test_dynamic_allocation_is_a_clear_error(refused_runs: tuple[dict[str, Any], str, str]) -> None:
     """Dynamic allocation fails before launch, naming the argument to change."""
-    result, output = _attempt_barrier_runs(
-        tmp_path,
-        {
-            "dynamic": (
-                sys.executable,
-                {
-                    "spark.dynamicAllocation.enabled": "true",
-                    "spark.shuffle.service.enabled": "false",
-                },
-            ),
-        },
-    )
+    result, output, _ = refused_runs
     assert result["dynamic"]["argument"] == "local_mode", output[-3000:]
     assert "dynamicAllocation" in result["dynamic"]["error"]
 
@@ -218,25 +268,21 @@ emit(out)
     assert plain["tls"] == [False] and plain["value"] == {"sum": 3.0, "pinned": ""}
 
 
-def test_executor_python_without_torch_is_a_clear_error(tmp_path: Path) -> None:
+def test_executor_python_without_torch_is_a_clear_error(
+    refused_runs: tuple[dict[str, Any], str, str],
+) -> None:
     """Executors on a fresh venv of the same Python (no torch, no sparktorch_ops): the probe
     fails the run before launch, naming PYSPARK_PYTHON and what is missing."""
-    venv = tmp_path / "no-torch-venv"
-    base = getattr(sys, "_base_executable", sys.executable)
-    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    bare = str(venv / "bin" / "python")
-    no_torch = subprocess.run([bare, "-c", "import torch"], capture_output=True, timeout=60)
-    assert no_torch.returncode != 0, "the throwaway venv can import torch"
-    assert _python_version(bare) == sys.version_info[:2]
-
-    result, output = _attempt_barrier_runs(tmp_path, {"no_torch": (bare, {})})
+    result, output, bare = refused_runs
     case = result["no_torch"]
     assert case["argument"].startswith("PYSPARK_PYTHON"), output[-3000:]
     assert "PYSPARK_PYTHON" in case["error"] and "torch" in case["error"]
     assert bare in case["error"]  # the interpreter that lacks it
 
 
-def test_executor_python_of_another_version_is_a_clear_error(tmp_path: Path) -> None:
+def test_executor_python_of_another_version_is_a_clear_error(
+    refused_runs: tuple[dict[str, Any], str, str],
+) -> None:
     """Executors on another CPython minor version than the driver: fails before launch,
     naming PYSPARK_PYTHON. Needs such an interpreter on this machine (PATH or pyenv)."""
     other = _other_cpython()
@@ -244,86 +290,15 @@ def test_executor_python_of_another_version_is_a_clear_error(tmp_path: Path) -> 
         pytest.skip(
             "no CPython 3.10-3.13 other than this one's version on PATH or in ~/.pyenv/versions"
         )
-    python, version = other
-    result, output = _attempt_barrier_runs(tmp_path, {"version": (python, {})})
+    result, output, _ = refused_runs
     case = result["version"]
     assert case["argument"].startswith("PYSPARK_PYTHON"), output[-3000:]
     assert "PYSPARK_PYTHON" in case["error"]
-    assert "another Python version" in case["error"] or f"runs Python {version}" in case["error"]
+    assert "another Python version" in case["error"] or f"runs Python {other[1]}" in case["error"]
 
 
-def test_gpu_assignment_with_fake_discovery_scripts(tmp_path: Path) -> None:
-    """Like Spark's own tests: discovery scripts print fake GPU addresses; each rank must see
-    exactly its task's GPUs (barrier) or the same first-N driver GPUs (local mode)."""
-    worker_script = tmp_path / "worker_gpus.sh"
-    worker_script.write_text('#!/bin/bash\necho \'{"name": "gpu", "addresses": ["0", "1"]}\'\n')
-    driver_script = tmp_path / "driver_gpus.sh"
-    driver_script.write_text(
-        '#!/bin/bash\necho \'{"name": "gpu", "addresses": ["5", "6", "7"]}\'\n'
-    )
-    for script in (worker_script, driver_script):
-        script.chmod(0o755)
-    result, output = run_driver(
-        tmp_path,
-        f"""
-import os
-from pyspark.sql import SparkSession
-from sparktorch_ops import TorchDistributor
-spark = (SparkSession.builder.master("local-cluster[2,1,1024]")
-         .config("spark.driver.host", "127.0.0.1")
-         .config("spark.worker.resource.gpu.amount", "2")
-         .config("spark.worker.resource.gpu.discoveryScript", {str(worker_script)!r})
-         .config("spark.executor.resource.gpu.amount", "2")
-         .config("spark.task.resource.gpu.amount", "2")
-         .config("spark.driver.resource.gpu.amount", "3")
-         .config("spark.driver.resource.gpu.discoveryScript", {str(driver_script)!r})
-         .getOrCreate())
-
-def layout():
-    import torch.distributed as dist
-    dist.init_process_group("gloo")
-    mine = {{k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "GROUP_RANK")}}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    dist.destroy_process_group()
-    return everyone
-
-out = {{}}
-out["barrier"] = TorchDistributor(
-    num_processes=4, local_mode=False, use_gpu=True, spark=spark, start_timeout=120
-).run(layout)
-out["local"] = TorchDistributor(num_processes=2, local_mode=True, use_gpu=True, spark=spark).run(layout)
-try:
-    TorchDistributor(num_processes=6, local_mode=False, use_gpu=True, spark=spark).run(layout)
-except Exception as exc:
-    out["too_many"] = [type(exc).__name__, str(exc)]
-emit(out)
-""",
-    )
-    barrier = result["barrier"]
-    assert [r["RANK"] for r in barrier] == ["0", "1", "2", "3"], output
-    assert sorted(r["LOCAL_RANK"] for r in barrier) == ["0", "0", "1", "1"]
-    assert {r["CUDA_VISIBLE_DEVICES"] for r in barrier} == {"0,1"}
-    assert sorted(r["GROUP_RANK"] for r in barrier) == ["0", "0", "1", "1"]
-    local = result["local"]
-    assert [(r["LOCAL_RANK"], r["CUDA_VISIBLE_DEVICES"]) for r in local] == [
-        ("0", "5,6"),
-        ("1", "5,6"),
-    ]
-    assert result["too_many"][0] == "ResourceError"
-    assert "num_processes" in result["too_many"][1]
-
-
-def test_a_fresh_application_waits_for_its_executors_but_not_for_missing_ones(
-    tmp_path: Path,
-) -> None:
-    """Executors register seconds after getOrCreate(): a run launched at once must wait for them
-    (no start_timeout needed), and a run needing more slots than the cluster will ever have must
-    still fail once every expected executor is there, not after Spark's whole start-up wait."""
-    result, output = run_driver(
-        tmp_path,
-        """
-import time
+LOCAL_CLUSTER_PROGRAM = """
+import os, time
 from pyspark.sql import SparkSession
 from sparktorch_ops import TorchDistributor, ResourceError
 
@@ -336,76 +311,114 @@ def fresh_session(**conf):
     return builder.getOrCreate()
 
 def world():
-    import os
     return int(os.environ["WORLD_SIZE"])
+
+def layout():
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    mine = {{k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "GROUP_RANK")}}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    dist.destroy_process_group()
+    return everyone
 
 def stop(spark):
     # local-cluster's own shutdown can race with its master relaunching executors; that is
-    # Spark's business, not what this test checks.
+    # Spark's business, not what these tests check.
     try:
         spark.stop()
     except Exception as exc:
         out.setdefault("stop_errors", []).append(repr(exc)[:300])
 
-out = {}
+out = {{}}
+# The first session starts the JVM: its settings become system properties that every later
+# session inherits, so it sets nothing the others must not have.
 spark = fresh_session()
 out["executors_at_launch"] = int(spark.sparkContext._jsc.sc().getExecutorIds().size())
 out["world"] = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark).run(world)
 stop(spark)
 
-spark = fresh_session(**{"spark.scheduler.maxRegisteredResourcesWaitingTime": "600s"})
+spark = fresh_session(**{{"spark.scheduler.maxRegisteredResourcesWaitingTime": "600s"}})
 started = time.monotonic()
 try:
     TorchDistributor(num_processes=3, local_mode=False, use_gpu=False, spark=spark).run(world)
 except ResourceError as exc:
-    out["too_many"] = {"argument": exc.argument, "error": str(exc),
-                       "seconds": time.monotonic() - started}
+    out["too_many"] = {{"argument": exc.argument, "error": str(exc),
+                       "seconds": time.monotonic() - started}}
+stop(spark)
+
+spark = fresh_session(**{{
+    "spark.worker.resource.gpu.amount": "2",
+    "spark.worker.resource.gpu.discoveryScript": {worker_script!r},
+    "spark.executor.resource.gpu.amount": "2",
+    "spark.task.resource.gpu.amount": "2",
+    "spark.driver.resource.gpu.amount": "3",
+    "spark.driver.resource.gpu.discoveryScript": {driver_script!r},
+}})
+gpus = out["gpus"] = {{}}
+gpus["barrier"] = TorchDistributor(
+    num_processes=4, local_mode=False, use_gpu=True, spark=spark, start_timeout=120
+).run(layout)
+gpus["local"] = TorchDistributor(num_processes=2, local_mode=True, use_gpu=True, spark=spark).run(layout)
+try:
+    TorchDistributor(num_processes=6, local_mode=False, use_gpu=True, spark=spark).run(layout)
+except Exception as exc:
+    gpus["too_many"] = [type(exc).__name__, str(exc)]
 emit(out)
 stop(spark)
-""",
+"""
+
+
+@pytest.fixture(scope="module")
+def local_cluster_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    """One driver program, three ``local-cluster[2,1,1024]`` applications one after the other:
+    a fresh one and one that may wait 600 s for its executors (checked by the start-up test),
+    then one with fake GPU discovery scripts, 2 GPUs per worker and 3 on the driver."""
+    tmp_path = tmp_path_factory.mktemp("local-cluster-driver")
+    worker_script = tmp_path / "worker_gpus.sh"
+    worker_script.write_text('#!/bin/bash\necho \'{"name": "gpu", "addresses": ["0", "1"]}\'\n')
+    driver_script = tmp_path / "driver_gpus.sh"
+    driver_script.write_text(
+        '#!/bin/bash\necho \'{"name": "gpu", "addresses": ["5", "6", "7"]}\'\n'
     )
+    for script in (worker_script, driver_script):
+        script.chmod(0o755)
+    program = LOCAL_CLUSTER_PROGRAM.format(
+        worker_script=str(worker_script), driver_script=str(driver_script)
+    )
+    return run_driver(tmp_path, program, timeout=420)
+
+
+def test_gpu_assignment_with_fake_discovery_scripts(
+    local_cluster_runs: tuple[dict[str, Any], str],
+) -> None:
+    """Like Spark's own tests: discovery scripts print fake GPU addresses; each rank must see
+    exactly its task's GPUs (barrier) or the same first-N driver GPUs (local mode)."""
+    result, output = local_cluster_runs
+    barrier = result["gpus"]["barrier"]
+    assert [r["RANK"] for r in barrier] == ["0", "1", "2", "3"], output
+    assert sorted(r["LOCAL_RANK"] for r in barrier) == ["0", "0", "1", "1"]
+    assert {r["CUDA_VISIBLE_DEVICES"] for r in barrier} == {"0,1"}
+    assert sorted(r["GROUP_RANK"] for r in barrier) == ["0", "0", "1", "1"]
+    local = result["gpus"]["local"]
+    assert [(r["LOCAL_RANK"], r["CUDA_VISIBLE_DEVICES"]) for r in local] == [
+        ("0", "5,6"),
+        ("1", "5,6"),
+    ]
+    assert result["gpus"]["too_many"][0] == "ResourceError"
+    assert "num_processes" in result["gpus"]["too_many"][1]
+
+
+def test_a_fresh_application_waits_for_its_executors_but_not_for_missing_ones(
+    local_cluster_runs: tuple[dict[str, Any], str],
+) -> None:
+    """Executors register seconds after getOrCreate(): a run launched at once must wait for them
+    (no start_timeout needed), and a run needing more slots than the cluster will ever have must
+    still fail once every expected executor is there, not after Spark's whole start-up wait."""
+    result, output = local_cluster_runs
     assert result["world"] == 2, output
     too_many = result["too_many"]
     assert too_many["argument"] == "num_processes"
     assert "needs 3 barrier task slots" in too_many["error"] and "has 2" in too_many["error"]
     # Bound only to prove it did not sit out the 600 s start-up wait.
     assert too_many["seconds"] < 120
-
-
-def test_dataframe_input_on_the_standalone_cluster(
-    standalone_cluster: Cluster, tmp_path: Path
-) -> None:
-    """A DataFrame of uneven partitions reaches both barrier tasks on two workers: every row on
-    exactly one rank, equal batches, features aligned with their row."""
-    result, output = run_driver(
-        tmp_path,
-        SESSION.format(master=standalone_cluster.master_url)
-        + """
-from pyspark.sql import functions as F
-from sparktorch_ops import TorchDistributor
-
-def shard_ids(batch_size):
-    import torch.distributed as dist
-    from sparktorch_ops.data import partition_loader
-    dist.init_process_group("gloo")
-    ids, batches, aligned = [], 0, True
-    for batch in partition_loader(batch_size, columns=["id", "x"]):
-        batches += 1
-        ids += batch["id"].tolist()
-        aligned &= bool((batch["x"] == batch["id"].float() / 2).all())
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, {"ids": ids, "batches": batches, "aligned": aligned})
-    dist.destroy_process_group()
-    return out
-
-frame = spark.range(1000, numPartitions=5).withColumn("x", (F.col("id") / 2).cast("float"))
-d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark)
-result = d.launch_on_dataframe(shard_ids, frame, 100)
-emit({"ranks": result.value, "input": result.input})
-""",
-    )
-    ranks = result["ranks"]
-    first, second = (set(r["ids"]) for r in ranks)
-    assert first.isdisjoint(second) and first | second == set(range(1000)), output[-3000:]
-    assert ranks[0]["batches"] == ranks[1]["batches"] and all(r["aligned"] for r in ranks)
-    assert result["input"]["rows"] == 1000 and result["input"]["columns"] == ["id", "x"]

@@ -32,8 +32,6 @@ from tests.support.connect_server import ConnectServer
 from tests.support.procs import wait_until_gone
 from tests.support.records import Collect
 
-pytestmark = pytest.mark.slow
-
 UNREACHABLE = "192.0.2.1"  # TEST-NET-1: no executor reaches it
 REACH = {"live": None, "relayed": UNREACHABLE}
 RELAYED_NOTE = "could not reach this client's channel"
@@ -175,16 +173,16 @@ def test_too_many_ranks_for_the_servers_master_fail_before_launch(connect: Any) 
     assert time.monotonic() - started < 30
 
 
-def quarter_gib_bytes() -> bytes | None:
+def forty_mib_bytes() -> bytes | None:
     if int(os.environ["RANK"]) != 0:
         return None
-    return bytes(range(256)) * (1 << 20)  # 256 MiB
+    return bytes(range(256)) * (160 << 10)  # 40 MiB: several chunks and Arrow batches
 
 
 @pytest.mark.parametrize("reach", ["live", "relayed"])
-def test_a_256_mib_value_arrives_whole(connect: Any, reach: str) -> None:
-    value = ranks_on(connect, reach).run(quarter_gib_bytes)
-    assert isinstance(value, bytes) and len(value) == 256 << 20
+def test_a_40_mib_value_arrives_whole(connect: Any, reach: str) -> None:
+    value = ranks_on(connect, reach).run(forty_mib_bytes)
+    assert isinstance(value, bytes) and len(value) == 40 << 20
     assert value[:256] == bytes(range(256)) and value[-256:] == bytes(range(256))
 
 
@@ -288,29 +286,27 @@ def test_an_unreachable_connect_url_fails_fast() -> None:
     assert time.monotonic() - started < 30
 
 
-def test_a_connect_server_that_dies_mid_run_fails_it(tmp_path: Path) -> None:
+def test_a_connect_server_that_dies_mid_run_fails_it(doomed_connect_server: ConnectServer) -> None:
     """The server's JVM is killed while the ranks train: the run fails within about a minute
     (pyspark's client alone would retry for ~10), and no rank is left."""
     import signal
 
     from pyspark.sql.connect.session import SparkSession as ConnectSession
 
-    from tests.support.connect_server import running_connect_server
-
-    with running_connect_server(tmp_path) as server:
-        session = ConnectSession.builder.remote(server.url).create()
-        ids, on_event = _run_id_recorder()
-        javas = [p for p in server.group_members() if p.name() == "java"]
-        threading.Timer(12, lambda: [p.send_signal(signal.SIGKILL) for p in javas]).start()
-        started = time.monotonic()
-        with pytest.raises(TrainingFailedError) as info:
-            TorchDistributor(
-                num_processes=2, local_mode=False, use_gpu=False, spark=session, on_event=on_event
-            ).run(sleep_long)
-        # The ranks die with the server's workers; when the tasks' loss is seen before the
-        # ranks' exits, the reason names the server.
-        message = str(info.value)
-        assert "signal SIGTERM" in message or "lost the Spark Connect server" in message
-        session.client.close()  # else its exit handler calls the dead server for minutes
-        assert time.monotonic() - started < 150
-        assert wait_until_gone(ids[0], 60) == []
+    server = doomed_connect_server
+    session = ConnectSession.builder.remote(server.url).create()
+    ids, on_event = _run_id_recorder()
+    javas = [p for p in server.group_members() if p.name() == "java"]
+    threading.Timer(12, lambda: [p.send_signal(signal.SIGKILL) for p in javas]).start()
+    started = time.monotonic()
+    with pytest.raises(TrainingFailedError) as info:
+        TorchDistributor(
+            num_processes=2, local_mode=False, use_gpu=False, spark=session, on_event=on_event
+        ).run(sleep_long)
+    # The ranks die with the server's workers; when the tasks' loss is seen before the
+    # ranks' exits, the reason names the server.
+    message = str(info.value)
+    assert "signal SIGTERM" in message or "lost the Spark Connect server" in message
+    session.client.close()  # else its exit handler calls the dead server for minutes
+    assert time.monotonic() - started < 150
+    assert wait_until_gone(ids[0], 60) == []

@@ -1,14 +1,12 @@
-"""The example retraining flow end to end, and cancelling a served flow run."""
+"""The example retraining flow end to end, in this process under the session's Prefect server
+(served deployments of it: test_served.py)."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +19,20 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "flows"))
 
 
-def test_retrain_digits_flow_publishes_and_reports(state_dir: Path) -> None:
-    from mlflow.tracking import MlflowClient
+@pytest.fixture(scope="module")
+def example_flow_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """The example flow run end to end once (2 epochs): its final state and state directory."""
     from retrain_digits import retrain_digits
 
+    state_dir = tmp_path_factory.mktemp("state")
     state = retrain_digits(state=str(state_dir), epochs=2, day="2025-03-02", return_state=True)
+    return state, state_dir
+
+
+def test_retrain_digits_flow_publishes_and_reports(example_flow_run: tuple[Any, Path]) -> None:
+    from mlflow.tracking import MlflowClient
+
+    state, state_dir = example_flow_run
     assert state.is_completed(), state.message
     record = state.result()
     assert record["promoted"] is True and record["previous"] == "none"
@@ -76,88 +83,6 @@ def test_retrain_digits_flow_publishes_and_reports(state_dir: Path) -> None:
     assert any(line.startswith("[rank 0|") and "epoch 1: loss" in line for line in lines)
     [run_id] = run_ids(logs)
     assert wait_until_gone(run_id, timeout=15) == []
-
-
-@pytest.fixture
-def served_flow(prefect_api: str, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """``tests/prefect/served_flow.py`` served by a Prefect runner in a subprocess."""
-    env = dict(os.environ)
-    env.update(
-        PREFECT_API_URL=prefect_api,
-        PREFECT_HOME=str(tmp_path / "prefect-home"),
-        PREFECT_RUNNER_POLL_FREQUENCY="2",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
-    )
-    log = (tmp_path / "serve.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("served_flow.py"))],
-        cwd=str(ROOT),
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
-
-
-def _wait_for(condition: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def test_cancelling_a_served_flow_run_stops_the_training(
-    served_flow: subprocess.Popen[bytes], tmp_path: Path
-) -> None:
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-    from prefect.states import Cancelling
-
-    markers = tmp_path / "markers"
-    markers.mkdir()
-    with get_client(sync_client=True) as client:
-
-        def deployment() -> Any:
-            assert served_flow.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                return client.read_deployment_by_name("sleepy-training/test")
-            except ObjectNotFound:
-                return None
-
-        found = _wait_for(deployment, 90, "the served deployment")
-        flow_run = client.create_flow_run_from_deployment(
-            found.id, parameters={"marker_dir": str(markers)}
-        )
-        _wait_for(
-            lambda: (markers / "rank0").exists() and (markers / "rank1").exists(),
-            120,
-            "both ranks to start",
-        )
-        run_id = (markers / "rank0").read_text()
-        client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
-        final = _wait_for(
-            lambda: (s := client.read_flow_run(flow_run.id).state) and s.is_final() and s,
-            60,
-            "the flow run to end",
-        )
-    assert final.is_cancelled(), final
-    assert wait_until_gone(run_id, timeout=30) == []
-    assert served_flow.poll() is None  # the runner itself keeps serving
 
 
 def test_the_flow_and_the_dag_share_state_directory_defaults_and_schedule(
