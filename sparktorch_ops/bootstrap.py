@@ -222,6 +222,12 @@ def main() -> None:
     signal.signal(signal.SIGINT, lambda signum, frame: supervisor.stop_child(signum))
     start_parent_watchdog(lambda: supervisor.stop_child(signal.SIGKILL))
     returncode = supervisor.run()
+    # The rank is gone: nothing is left to stop. A successful return makes torch's worker
+    # process wait until the agent has read the result; when the agent tears the group down
+    # instead (another rank failed, a restart), its SIGTERM must end this process, not wait
+    # out torch's 30 s shutdown grace in our handler.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if returncode < 0:  # die the way the rank died, so torchrun reports the same signal
         signal.signal(-returncode, signal.SIG_DFL)
         os.kill(os.getpid(), -returncode)

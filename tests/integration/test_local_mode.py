@@ -216,9 +216,20 @@ def fail_on_first_attempt() -> int:
     return attempt
 
 
-def test_max_restarts_lets_torchrun_restart_the_worker_group() -> None:
-    distributor = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False, max_restarts=1)
-    assert distributor.run(fail_on_first_attempt) == 1
+def test_max_restarts_lets_torchrun_restart_the_worker_group(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    logger = logging.getLogger("sparktorch-tests.restarts")
+    distributor = TorchDistributor(
+        num_processes=2, local_mode=True, use_gpu=False, max_restarts=1, logger=logger
+    )
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        assert distributor.run(fail_on_first_attempt) == 1
+    # The restart stopped the first group at once: rank 0's finished process left on torch's
+    # SIGTERM instead of holding out for its 30 s grace and a SIGKILL.
+    agent_lines = [r.getMessage() for r in caplog.records if "[torchrun node" in r.getMessage()]
+    assert any("via signal SIGTERM" in line for line in agent_lines), agent_lines
+    assert not [line for line in agent_lines if "Unable to shutdown process" in line]
     with pytest.raises(TrainingFailedError, match="transient failure"):
         TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(fail_on_first_attempt)
 
