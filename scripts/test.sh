@@ -22,10 +22,17 @@ bash scripts/venv.sh
 source scripts/env.sh
 
 step() {
-  local name="$1" started=$SECONDS
+  local name="$1" started=$SECONDS status=0
   shift
-  "$@"
+  "$@" || status=$?
   echo "== step '$name': $((SECONDS - started)) s"
+  return "$status"
+}
+
+report_coverage() {
+  python -m coverage combine -q
+  python -m coverage report --format=total | sed 's/^/line coverage of sparktorch_ops, %: /'
+  python -m coverage report --skip-covered --sort=cover | tail -n 40
 }
 
 python=(python)
@@ -35,19 +42,35 @@ if [ "$coverage" = 1 ]; then
   rm -rf "$root/.state/coverage"
   mkdir -p "$root/.state/coverage"
   python=(python -m coverage run)
+  trap report_coverage EXIT  # also when a step fails: the figures of what ran
 fi
 
 step ruff ruff check sparktorch_ops tests dags flows examples benchmarks
-step mypy mypy
 step benchmark-pages python benchmarks/run_all.py --markdown --check
+# mypy (single-threaded, ~50 s from a clean clone) beside the first tests, on the other core.
+mypy_log="$(mktemp)"
+mypy_started=$SECONDS
+mypy > "$mypy_log" 2>&1 &
+mypy_pid=$!
+finish_mypy() {
+  local status=0
+  wait "$mypy_pid" || status=$?
+  cat "$mypy_log"
+  rm -f "$mypy_log"
+  echo "== step 'mypy': $((SECONDS - mypy_started)) s (beside the tests)"
+  return "$status"
+}
+status=0
 if [ "$#" -eq 0 ]; then
-  step "unit tier (integrations blocked)" "${python[@]}" -m tests.support.blocked_unit_tier -q
-  step "integration and e2e tiers" "${python[@]}" -m pytest -ra --durations=25 -m "not unit"
+  step "unit tier (integrations blocked)" "${python[@]}" -m tests.support.blocked_unit_tier -q ||
+    status=$?
+  finish_mypy || status=$?
+  if [ "$status" = 0 ]; then
+    step "integration and e2e tiers" "${python[@]}" -m pytest -ra --durations=25 -m "not unit" ||
+      status=$?
+  fi
 else
-  step "pytest $*" "${python[@]}" -m pytest -ra --durations=25 "$@"
+  step "pytest $*" "${python[@]}" -m pytest -ra --durations=25 "$@" || status=$?
+  finish_mypy || status=$?
 fi
-if [ "$coverage" = 1 ]; then
-  python -m coverage combine -q
-  python -m coverage report --format=total | sed 's/^/line coverage of sparktorch_ops, %: /'
-  python -m coverage report --skip-covered --sort=cover | tail -n 40
-fi
+exit "$status"
