@@ -38,8 +38,7 @@ E2E_FIXTURES = frozenset(
         "airflow_services",  # Airflow's scheduler, DAG processor and API server
         "prefect_runner",  # a Prefect runner serving deployments (flow.serve)
         "mlflow_server",  # an MLflow tracking server
-        "example_dag_runs",  # the example DAG run end to end
-        "example_flow_run",  # the example flow run end to end
+        "example_dag_runs",  # the example DAG run end to end (the flow's: a served run)
     }
 )
 # Marks that say a test is e2e where no fixture can: it starts a cluster in a driver process of

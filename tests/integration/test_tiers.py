@@ -56,7 +56,6 @@ def test_every_test_has_one_tier_from_its_directory_and_fixtures(tmp_path: Path)
         "tests/airflow/test_retrain_dag.py::test_a_worse_model_is_registered_but_the_champion_stays": (
             "e2e"
         ),
-        "tests/prefect/test_flows.py::test_retrain_digits_flow_publishes_and_reports": "e2e",
         # by mark: a cluster of its own, a transfer at the benchmark's size
         "tests/integration/test_cluster.py::test_spark_encryption_puts_the_channel_under_tls": (
             "e2e"

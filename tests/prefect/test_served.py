@@ -105,14 +105,38 @@ def test_served_retrain_digits_runs_a_deployment_to_completion(
     assert artifacts["train-digits-progress"].data == 100
     rows = json.loads(artifacts["train-digits-metrics"].data)
     assert [(row["step"], row["rank"]) for row in rows] == [(0, 0), (0, 1)]  # 1 epoch, 2 ranks
-    summary = artifacts["train-digits-summary"].data
-    assert "completed" in summary and "| Processes | 2 |" in summary and "barrier" in summary
+    assert all(isinstance(row["loss"], float) for row in rows) and rows[-1]["progress"] == 1.0
     assert "digits-cnn v1: now champion" in artifacts["retrain-digits-model"].data
+    assert "](http://" in artifacts["train-digits-spark-ui"].data  # barrier mode: the Spark UI
 
     # The run used the state directory it was served with, nothing else.
-    assert [p.name for p in (state_dir / "warehouse" / "digits").glob("ds=*")] != []
+    assert len(list((state_dir / "warehouse" / "digits").glob("ds=*"))) == 1
+    # MLflow: the flow's run holds the model and its score; the training run nests under it.
     registry = MlflowClient(f"sqlite:///{state_dir / 'mlflow.db'}")
-    assert str(registry.get_model_version_by_alias("digits-cnn", "champion").version) == "1"
+    champion = registry.get_model_version_by_alias("digits-cnn", "champion")
+    assert str(champion.version) == "1"
+    flow_mlflow_run = registry.get_run(champion.run_id)
+    assert 0.0 <= flow_mlflow_run.data.metrics["test_accuracy"] <= 1.0
+    (training,) = registry.search_runs(
+        [flow_mlflow_run.info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{champion.run_id}'",
+    )
+    assert training.info.status == "FINISHED" and "prefect.task_run_id" in training.data.tags
+    assert [m.step for m in registry.get_metric_history(training.info.run_id, "loss")] == [0]
+
+    summary = artifacts["train-digits-summary"].data
+    for text in (
+        "completed",
+        "| Processes | 2 |",
+        "barrier",
+        "| Input | 600 rows from sql:",
+        "loss",
+        "persisted in Prefect result storage at",
+        f"| MLflow run | `{training.info.run_id}` |",
+    ):
+        assert text in summary, text
+    stored = summary.split("persisted in Prefect result storage at `", 1)[1].split("`", 1)[0]
+    assert Path(stored).is_file()  # the trained value really is in result storage
 
     logs = flow_run_logs(flow_run.id)
     training = [log for log in logs if log.task_run_id == runs["train-digits"].id]
