@@ -75,13 +75,13 @@ def example_dag_runs(
     capfd: pytest.CaptureFixture[str], run_dag: Any, example_state: Path
 ) -> dict[int, Any]:
     """The example DAG run end to end three times on one state directory, by day of March
-    2025, memoized for the session: the 2nd first (2 epochs: it trains from scratch, is
+    2025, memoized for the session: the 2nd first (6 epochs: it trains from scratch, is
     registered and promoted), then the 1st backfilled late with a diverging learning rate (it
     sees its own day only; registered, not promoted), then the 3rd (every day so far)."""
     import pendulum
 
     runs = {}
-    for day, conf in ((2, {"epochs": 2}), (1, {"epochs": 1, "lr": 50.0}), (3, {"epochs": 1})):
+    for day, conf in ((2, {"epochs": 6}), (1, {"epochs": 1, "lr": 50.0}), (3, {"epochs": 1})):
         runs[day] = run_dag(
             capfd,
             "retrain_digits",
@@ -110,13 +110,13 @@ def test_example_dag_trains_tracks_and_registers(
     assert train["metrics"]["loss"] > 0 and train["progress"] == 1.0
     assert train["checkpoint"]["warm_start_from"] is None  # the first run: from scratch
     log = outcome.task_log("train")
-    assert "[rank 0|" in log and "epoch 1: loss" in log
+    assert "[rank 0|" in log and "epoch 5: loss" in log
 
     # One MLflow run per training, in the embedded SQLite store under the state directory.
     client = MlflowClient(f"sqlite:///{example_state / 'mlflow.db'}")
     run = client.get_run(train["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["airflow.dag_id"] == "retrain_digits"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0, 1]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(6))
     metrics = outcome.xcom("evaluate")
     assert 0.5 < metrics["accuracy"] <= 1.0
     assert client.get_run(run.info.run_id).data.metrics["test_accuracy"] == metrics["accuracy"]
@@ -137,9 +137,14 @@ def test_a_worse_model_is_registered_but_the_champion_stays(
     )
     record = worse.xcom("publish")
     assert record["version"] == "2" and record["promoted"] is False
+    assert record["previous"]["version"] == "1"
     assert worse.xcom("evaluate")["accuracy"] < first.xcom("evaluate")["accuracy"]
+    # The champion stayed v1 until the next run (the 3rd's publish saw it), which may move it.
+    after = example_dag_runs[3].xcom("publish")
+    assert after["version"] == "3" and after["previous"]["version"] == "1"
     client = MlflowClient(f"sqlite:///{example_state / 'mlflow.db'}")
-    assert str(client.get_model_version_by_alias("digits-cnn", "champion").version) == "1"
+    champion = client.get_model_version_by_alias("digits-cnn", "champion").version
+    assert str(champion) == ("3" if after["promoted"] else "1")
 
 
 def test_each_scheduled_run_trains_on_the_days_up_to_its_logical_date(
