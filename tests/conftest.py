@@ -74,13 +74,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # Tests that kill a shared service go last.
     items.sort(key=lambda item: "doomed_connect_server" in getattr(item, "fixturenames", ()))
     for item in items:
-        tier = tier_of(item)
+        tier = item.stash[TIER_KEY] = tier_of(item)
         if item.get_closest_marker(tier) is None:
             item.add_marker(getattr(pytest.mark, tier))
         if tier == "unit" and not item.path.resolve().is_relative_to(UNIT_DIR):
             raise pytest.UsageError(f"{item.nodeid}: unit tests live in tests/unit")
 
 
+TIER_KEY = pytest.StashKey[str]()  # each item's tier, decided once at collection
 _tier_seconds: dict[str, float] = defaultdict(float)
 _tier_tests: dict[str, set[str]] = defaultdict(set)
 
@@ -93,7 +94,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     try:
         return (yield)
     finally:
-        tier = tier_of(item)
+        tier = item.stash.get(TIER_KEY, "integration")
         _tier_seconds[tier] += time.monotonic() - started
         _tier_tests[tier].add(item.nodeid)
 
