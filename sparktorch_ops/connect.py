@@ -109,6 +109,7 @@ class ConnectBarrierLauncher(BarrierLauncher):
         self._stage_started = False
         self._next_server_check = time.monotonic() + _SERVER_CHECK_S
         self._server_misses = 0
+        self._server_lost = False
 
     @property
     def stage_started(self) -> bool:
@@ -187,9 +188,16 @@ class ConnectBarrierLauncher(BarrierLauncher):
             self._next_server_check = time.monotonic() + 1.0  # look again soon
             return None
         host, port = connect_endpoint(self._session)
+        self._server_lost = True
         self.spark_error = f"lost the Spark Connect server at {host}:{port} (it stopped answering)"
         self.spark_error_detail = self.spark_error
         return 1, self.spark_error
+
+    def _wait_stopped(self, timeout: float) -> None:
+        # With the server gone, the stage's call only ends when the client's retries give up
+        # (many minutes): nothing is left to wait for, the tasks died with the server.
+        if not self._server_lost:
+            super()._wait_stopped(timeout)
 
     def _cancel(self) -> None:
         """Interrupt the stage by the run's tag, waiting at most a few seconds (the client
@@ -199,6 +207,8 @@ class ConnectBarrierLauncher(BarrierLauncher):
             with contextlib.suppress(Exception):  # a server gone: nothing left to interrupt
                 self._session.interruptTag(self._plan.run_id)
 
+        if self._server_lost:
+            return
         interrupt_thread = threading.Thread(target=interrupt, daemon=True)
         interrupt_thread.start()
         interrupt_thread.join(_INTERRUPT_WAIT_S)

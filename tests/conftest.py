@@ -49,6 +49,10 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# The JVMs the tests start: tests/support/spark_conf/spark-defaults.conf says why. The
+# standalone master and workers take their flags from SPARK_DAEMON_JAVA_OPTS.
+os.environ.setdefault("SPARK_CONF_DIR", str(ROOT / "tests" / "support" / "spark_conf"))
+os.environ.setdefault("SPARK_DAEMON_JAVA_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 # py4j logs at INFO from __del__ at interpreter exit, after pytest closed its streams.
 logging.getLogger("py4j").setLevel(logging.WARNING)
 

@@ -292,8 +292,10 @@ def test_barrier_mode_resumes_after_a_crash_bit_for_bit(
         max_restarts=1,
         checkpoint_dir=str(directory),
     ).launch(train_ddp, STEPS, 3, 2, str(marker))
-    assert marker.exists() and result.value["attempt"] == 1
-    assert result.value["start"] == 2  # the restarted group resumed at step 3
+    # Each barrier task's agent counts its own restarts: an agent whose worker was healthy
+    # restarts for the new rendezvous without counting one, so rank 0 may see 0 or 1 here.
+    # Resuming at step 3 is what proves the group was restarted.
+    assert marker.exists() and result.value["start"] == 2
     assert_same(result.value["weights"], reference["weights"])
     assert result.checkpoint is not None and result.checkpoint["resumed_from_step"] is None
     assert result.checkpoint["latest_step"] == STEPS - 1
