@@ -167,7 +167,7 @@ def test_a_retry_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
 def test_task_timeout_stops_the_training(call: str, tmp_path: Path) -> None:
     # Long enough for both ranks to start on a loaded 2-core machine, so the timeout
     # interrupts a training in progress (checked below through the ranks' marker files).
-    limited = run_torch_distributor.with_options(timeout_seconds=12)
+    limited = run_torch_distributor.with_options(timeout_seconds=8)
 
     @flow
     def too_long(marker_dir: str) -> None:
@@ -191,7 +191,7 @@ def test_task_timeout_stops_the_training(call: str, tmp_path: Path) -> None:
     assert elapsed < 60
     assert run_ids(flow_run_logs(state.state_details.flow_run_id)) == [run_id]
     summary = flow_run_artifacts(state.state_details.flow_run_id)["run-torch-distributor-summary"]
-    assert ": timed out" in summary.data and "timeout_seconds=12" in summary.data
+    assert ": timed out" in summary.data and "timeout_seconds=8" in summary.data
 
 
 @pytest.mark.parametrize(

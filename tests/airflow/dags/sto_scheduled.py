@@ -62,7 +62,7 @@ def _dag(dag_id: str, seconds: float, **task_args: object) -> DAG:
 sto_scheduled_mark_failed = _dag("sto_scheduled_mark_failed", 600)
 # execution_timeout ends it while it trains.
 sto_scheduled_timeout = _dag(
-    "sto_scheduled_timeout", 600, execution_timeout=datetime.timedelta(seconds=120)
+    "sto_scheduled_timeout", 600, execution_timeout=datetime.timedelta(seconds=75)
 )
 # The first try fails; Airflow retries it and the second try trains.
 sto_scheduled_flaky = _dag(
