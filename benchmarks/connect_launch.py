@@ -71,7 +71,7 @@ BASELINE = "ours_classic"
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 CONNECT_ENV = "SPARK_CONNECT_MODE_ENABLED"
 # Rank-side processes of a barrier run, to kill when a pyspark run times out.
-RANK_MARKERS = ("torch_run_process_wrapper", "torch.distributed.run", "sparktorch_ops.agent")
+RANK_MARKERS = ("torch_run_process_wrapper", "torch.distributed.run", "sparktorch_ops.node.agent")
 
 
 # -- the Connect server (the same as tests/support/connect_server.py; benchmarks import no

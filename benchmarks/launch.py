@@ -240,7 +240,7 @@ def rank_events(records: list[dict[str, Any]]) -> dict[str, float]:
     for record in records:
         chain = record["chain"]
         user = chain[0]
-        agent = _find(chain, "sparktorch_ops.agent", "torch.distributed.run", topmost=True)
+        agent = _find(chain, "sparktorch_ops.node.agent", "torch.distributed.run", topmost=True)
         add("agent process start", agent["start"] if agent else None)
         wrapper = _find(chain, "torch_run_process_wrapper")
         add("pyspark wrapper start", wrapper["start"] if wrapper else None)
@@ -446,8 +446,8 @@ def probes() -> dict[str, float | None]:
         "python -c pass": "pass",
         "import torch": "import torch",
         "import torch.distributed.run": "import torch.distributed.run",
-        "import sparktorch_ops.bootstrap (in the agent, before it forks ranks)": (
-            "import sparktorch_ops.bootstrap"
+        "import sparktorch_ops.rank.bootstrap (in the agent, before it forks ranks)": (
+            "import sparktorch_ops.rank.bootstrap"
         ),
         "import sparktorch_ops.distributor (driver)": "import sparktorch_ops.distributor",
         "from pyspark import cloudpickle (pyspark's rank)": "from pyspark import cloudpickle",

@@ -119,7 +119,7 @@ def append_day(spark: Any, state: str, ds: str, seed: int = 0) -> dict[str, Any]
 
 def append_day_on_embedded_spark(state: str, ds: str, seed: int = 0) -> dict[str, Any]:
     """:func:`append_day` on the pipelines' embedded Spark (started and stopped here)."""
-    from sparktorch_ops.spark import SparkSettings, get_session, stop_session
+    from sparktorch_ops.spark.session import SparkSettings, get_session, stop_session
 
     handle = get_session(SparkSettings(conf=SPARK_CONF, app_name="retrain-digits-data"))
     try:

@@ -21,7 +21,7 @@ from sparktorch_ops.errors import (
     TrainingTimeoutError,
 )
 from sparktorch_ops.lightning import lightning_trainer_kwargs
-from sparktorch_ops.reporting import report
+from sparktorch_ops.rank.reporting import report
 from sparktorch_ops.results import MetricRecord, RankFailure, RunResult
 
 if TYPE_CHECKING:

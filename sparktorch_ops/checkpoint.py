@@ -67,6 +67,7 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.wire.env import CHECKPOINT_DIR_ENV, WARM_START_ENV
 
 if TYPE_CHECKING:
     import torch
@@ -86,11 +87,6 @@ __all__ = [
     "warm_start",
 ]
 
-CHECKPOINT_DIR_ENV = "SPARKTORCH_CHECKPOINT_DIR"
-"""The run's checkpoint directory (a path or an fsspec URL), set on every rank."""
-WARM_START_ENV = "SPARKTORCH_WARM_START_FROM"
-"""Weights to start from when there is no checkpoint to resume: a checkpoint directory (a
-``checkpoint_dir`` root or one step directory) or a ``torch.save(state_dict)`` file."""
 COMMIT_MARKER = "COMMITTED"
 """The file that makes a step directory a checkpoint; written last, by rank 0."""
 

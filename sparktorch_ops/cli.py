@@ -1,7 +1,11 @@
 """``sparktorch-ops run``: launch a training script like torchrun, locally or on Spark.
 
     sparktorch-ops run [--num-processes N] [--local-mode|--no-local-mode] [--use-gpu]
-                       [--master URL] [--conf k=v ...] [--dry-run] SCRIPT [-- ARGS...]
+                       [--master URL] [--conf k=v ...] [--dry-run] [OPTIONS] SCRIPT [-- ARGS...]
+
+Every launch option of :class:`~sparktorch_ops.TorchDistributor` that a command line can give
+has a flag (``--timeout``, ``--env KEY=VALUE``, ``--mlflow-experiment``, ...: ``--help`` lists
+them, from :mod:`sparktorch_ops.options`).
 
 Rank output is printed with rank prefixes; the exit status is the run's
 (:mod:`sparktorch_ops.outcome`): 0 on success, the failing rank's exit code (or 1) on a training
@@ -19,17 +23,17 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from sparktorch_ops import options
 from sparktorch_ops.errors import ConfigError, SparkTorchError
 from sparktorch_ops.job import CancelToken, TrainingJob, build_job
 from sparktorch_ops.outcome import outcome_of
-from sparktorch_ops.spark import SparkSettings
+from sparktorch_ops.spark.session import SparkSettings
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparktorch-ops", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a training script under torchrun")
-    run.add_argument("--num-processes", type=int, default=1, help="total ranks (default 1)")
     mode = run.add_mutually_exclusive_group()
     mode.add_argument(
         "--local-mode",
@@ -44,16 +48,10 @@ def _parser() -> argparse.ArgumentParser:
         action="store_false",
         help="run one rank per Spark barrier task",
     )
-    run.add_argument("--use-gpu", action="store_true", help="give each rank a GPU")
     run.add_argument(
         "--master",
         help="Spark master URL, or sc://HOST:PORT for Spark Connect (implies --no-local-mode "
         "unless given)",
-    )
-    run.add_argument(
-        "--channel-host",
-        default=None,
-        help="the address barrier tasks reach this machine at for logs and the result",
     )
     run.add_argument(
         "--conf",
@@ -62,30 +60,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="Spark configuration, repeatable",
     )
-    run.add_argument("--max-restarts", type=int, default=0)
-    run.add_argument(
-        "--max-local-processes",
-        type=int,
-        default=None,
-        help="most ranks local mode may start (default 4 per CPU of this machine)",
-    )
-    run.add_argument(
-        "--checkpoint-dir",
-        default=None,
-        help="where the ranks' sparktorch_ops.checkpoint saves and resumes (path or fsspec URL)",
-    )
-    run.add_argument(
-        "--warm-start-from",
-        default=None,
-        help="checkpoint directory or model file to load weights from when there is no checkpoint",
-    )
-    run.add_argument("--timeout", type=float, default=None, help="seconds the run may take")
-    run.add_argument(
-        "--start-timeout",
-        type=float,
-        default=None,
-        help="seconds to wait for slots, executors and the rendezvous",
-    )
+    options.add_cli_flags(run)
     run.add_argument(
         "--dry-run",
         action="store_true",
@@ -114,19 +89,10 @@ def _job(args: argparse.Namespace, logger: logging.Logger, token: CancelToken) -
     return build_job(
         train=args.script,
         train_args=script_args,
-        num_processes=args.num_processes,
-        local_mode=local_mode,
-        use_gpu=args.use_gpu,
         spark=SparkSettings(master=args.master, conf=_conf(args.conf)),
-        max_restarts=args.max_restarts,
-        max_local_processes=args.max_local_processes,
-        checkpoint_dir=args.checkpoint_dir,
-        warm_start_from=args.warm_start_from,
-        timeout=args.timeout,
-        start_timeout=args.start_timeout,
-        channel_host=args.channel_host,
         logger=logger,
         cancel_token=token,
+        **{**options.cli_values(args), "local_mode": local_mode},
     )
 
 

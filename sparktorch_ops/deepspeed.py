@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from sparktorch_ops.distributor import TorchDistributor
+from sparktorch_ops.driver.packing import check_train
 from sparktorch_ops.errors import ConfigError
-from sparktorch_ops.payload import check_train
 from sparktorch_ops.results import RunResult
 
 DEEPSPEED_FLAG = "--deepspeed"

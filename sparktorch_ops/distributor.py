@@ -24,30 +24,35 @@ from typing import Any
 import cloudpickle
 import pendulum
 
-from sparktorch_ops import checkpoint, errors, events
-from sparktorch_ops import spark as spark_support
-from sparktorch_ops.channel import ChannelServer
-from sparktorch_ops.collector import RunCollector
-from sparktorch_ops.connect import START_DEADLINE_S, ConnectBarrierLauncher, known_slots
-from sparktorch_ops.dataframe import DataInput, PreparedInput, check_dataframe, prepare_input
-from sparktorch_ops.events import RunState, RunStateMachine
-from sparktorch_ops.job import CancelToken, TrainingJob
-from sparktorch_ops.launchers import BarrierLauncher, Launcher, LocalLauncher
-from sparktorch_ops.outcome import outcome_of
-from sparktorch_ops.payload import FunctionCall, describe
-from sparktorch_ops.planning import (
+from sparktorch_ops import checkpoint, errors, events, options
+from sparktorch_ops.driver.certificate import make_certificate
+from sparktorch_ops.driver.collector import RunCollector
+from sparktorch_ops.driver.packing import describe
+from sparktorch_ops.driver.planning import (
     RunFacts,
-    RunPlan,
     barrier_layout,
     check_slots,
     plan_run,
     select_local_gpus,
 )
+from sparktorch_ops.driver.tracking import MlflowTracker, loggable_params
+from sparktorch_ops.events import RunState, RunStateMachine
+from sparktorch_ops.job import CancelToken, TrainingJob
+from sparktorch_ops.launchers.barrier import BarrierLauncher
+from sparktorch_ops.launchers.base import Launcher
+from sparktorch_ops.launchers.connect import START_DEADLINE_S, ConnectBarrierLauncher, known_slots
+from sparktorch_ops.launchers.local import LocalLauncher
+from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
+from sparktorch_ops.outcome import outcome_of
 from sparktorch_ops.results import MetricRecord, RunResult
-from sparktorch_ops.spark import SparkSettings
-from sparktorch_ops.spec import DEFAULT_MAX_RESULT_BYTES, LaunchSpec
-from sparktorch_ops.tls import ChannelCertificate, make_certificate
-from sparktorch_ops.tracking import MlflowTracker, loggable_params
+from sparktorch_ops.spark import session as spark_support
+from sparktorch_ops.spark.dataframe import DataInput, PreparedInput, check_dataframe, prepare_input
+from sparktorch_ops.spark.session import SparkSettings
+from sparktorch_ops.spec import LaunchSpec
+from sparktorch_ops.wire.channel import ChannelServer
+from sparktorch_ops.wire.payload import FunctionCall
+from sparktorch_ops.wire.plan import RunPlan
+from sparktorch_ops.wire.tls import ChannelCertificate
 
 _POLL_S = 0.05
 _DRAIN_S = 10.0
@@ -130,6 +135,7 @@ def _new_run_id() -> str:
     return f"sparktorch-{uuid.uuid4().hex[:16]}"
 
 
+@options.documented("distributor")
 class TorchDistributor:
     """Run a PyTorch training function or script with torchrun, locally or on Spark.
 
@@ -138,39 +144,8 @@ class TorchDistributor:
     options below.
 
     Args:
-        num_processes: total number of ranks.
-        local_mode: True runs the ranks on the driver; False runs one rank per Spark barrier
-            task (k per task with ``spark.task.resource.gpu.amount=k``).
-        use_gpu: give each rank its own GPU.
+        <launch options>
         spark: the SparkSession (default: the active one; barrier mode creates one if none).
-        env: extra environment variables for every rank.
-        max_restarts: torchrun's worker-group restarts within one run.
-        torchrun_args: further torchrun options (not those the distributor sets itself).
-        logger: receives every rank's output (stdout at INFO, stderr at WARNING): a
-            ``logging.Logger``, an adapter, or anything with ``log(level, msg, *args)``.
-        on_metrics: called with every ``sparktorch_ops.report()`` record as it arrives.
-        on_event: called with every :class:`~sparktorch_ops.events.PhaseEvent` of a run.
-        start_timeout: seconds to wait for task slots, executors and the rendezvous.
-        timeout: seconds (or a timedelta) the whole run may take.
-        log_ranks: ranks whose output is forwarded to ``logger`` (default: all).
-        allow_unencrypted_channel: no TLS on the channel even though Spark encryption is on.
-        max_result_bytes: the largest pickled return value rank 0 may send (default 1 GiB);
-            beyond it the run fails with :class:`ResultTooLargeError`.
-        max_local_processes: the most ranks local mode may start (default 4 per CPU of the
-            driver).
-        checkpoint_dir: where :mod:`sparktorch_ops.checkpoint` saves and resumes on the ranks
-            (env ``SPARKTORCH_CHECKPOINT_DIR``): a path every rank reaches or an fsspec URL.
-            A restarted worker group (``max_restarts``) and a rerun with the same directory
-            resume from its latest complete checkpoint.
-        warm_start_from: a checkpoint directory or a ``torch.save``'d model file whose weights
-            ``load_latest`` loads when ``checkpoint_dir`` has no checkpoint yet (a resume wins).
-        mlflow_experiment: track each run as one MLflow run in this experiment, logged from
-            the driver (params, every rank 0 ``report()`` as metrics, outcome, Spark tags;
-            nested under the caller's active MLflow run); ranks never talk to MLflow.
-        mlflow_tracking_uri: the tracking URI (default ``MLFLOW_TRACKING_URI``).
-        mlflow_all_ranks: log every rank's records (keys suffixed ``/rank<N>``).
-        channel_host: the address barrier tasks reach this process at for logs, metrics and
-            the result, when the default is wrong (NAT, containers); see :class:`LaunchSpec`.
     """
 
     def __init__(
@@ -199,29 +174,7 @@ class TorchDistributor:
         mlflow_all_ranks: bool = False,
         channel_host: str | None = None,
     ) -> None:
-        self.spec = LaunchSpec(
-            num_processes=num_processes,
-            local_mode=local_mode,
-            use_gpu=use_gpu,
-            env=env,  # type: ignore[arg-type]
-            max_restarts=max_restarts,
-            torchrun_args=torchrun_args,  # type: ignore[arg-type]
-            start_timeout=start_timeout,  # type: ignore[arg-type]
-            timeout=timeout,  # type: ignore[arg-type]
-            log_ranks=log_ranks,  # type: ignore[arg-type]
-            logger=logger,
-            on_metrics=on_metrics,
-            on_event=on_event,
-            allow_unencrypted_channel=allow_unencrypted_channel,
-            max_result_bytes=max_result_bytes,
-            max_local_processes=max_local_processes,
-            checkpoint_dir=checkpoint_dir,  # type: ignore[arg-type]
-            warm_start_from=warm_start_from,  # type: ignore[arg-type]
-            mlflow_experiment=mlflow_experiment,
-            mlflow_tracking_uri=mlflow_tracking_uri,
-            mlflow_all_ranks=mlflow_all_ranks,
-            channel_host=channel_host,
-        )
+        self.spec = LaunchSpec(**options.values_of("distributor", locals()))
         self.spark = spark
         self._tokens: list[CancelToken] = []
 

@@ -3,7 +3,7 @@
 A :class:`TrainingJob` is validated once, at construction, with typed errors naming the
 argument: the train object and its arguments (and packed for the ranks), the launch options
 (:class:`~sparktorch_ops.spec.LaunchSpec`) and the Spark settings
-(:class:`~sparktorch_ops.spark.SparkSettings`). ``TorchDistributor.run`` builds one from its
+(:class:`~sparktorch_ops.spark.session.SparkSettings`). ``TorchDistributor.run`` builds one from its
 arguments; the Airflow operator and the Prefect task build one with :func:`build_job` from their
 (rendered) parameters and hand it to :func:`sparktorch_ops.distributor.launch_job`. Nobody
 validates twice.
@@ -15,11 +15,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from sparktorch_ops.dataframe import DataInput
+from sparktorch_ops import options as launch_options
+from sparktorch_ops.driver.packing import WRAPPER_NAMES, ArgumentNames, prepare
 from sparktorch_ops.errors import ConfigError
-from sparktorch_ops.payload import WRAPPER_NAMES, ArgumentNames, Payload, prepare
-from sparktorch_ops.spark import SparkSettings
+from sparktorch_ops.spark.dataframe import DataInput
+from sparktorch_ops.spark.session import SparkSettings
 from sparktorch_ops.spec import LaunchSpec
+from sparktorch_ops.wire.payload import Payload
 
 
 class CancelToken:
@@ -124,7 +126,8 @@ def build_job(
 
     The one place where rendered template strings are coerced: ``num_processes`` and
     ``max_restarts`` given as ``"2"``, a script path with blanks around it, ``env`` values that
-    are numbers. Everything else is the job's own validation; errors name the wrapper's
+    are numbers, and a templated option that renders to an empty string (unset: None).
+    Everything else is the job's own validation; errors name the wrapper's
     parameter (``train``, ``train_args``, ``train_kwargs``, ...).
 
     Args:
@@ -145,6 +148,10 @@ def build_job(
     for name in ("num_processes", "max_restarts", "max_result_bytes", "max_local_processes"):
         if name in options:
             options[name] = coerce_int(name, options[name])
+    for option in launch_options.OPTIONS:  # a template that renders to nothing means "unset"
+        value = options.get(option.name)
+        if option.templated and isinstance(value, str) and not value.strip():
+            options[option.name] = None
     env = options.get("env")
     if isinstance(env, Mapping):  # rendered numbers become strings; None stays an error
         options["env"] = {

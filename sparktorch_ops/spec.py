@@ -12,10 +12,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from sparktorch_ops import options
 from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
 
 # Rank 0's pickled return value may be this large by default (max_result_bytes=).
-DEFAULT_MAX_RESULT_BYTES = 1 << 30
 # Local mode starts at most this many ranks per CPU of the driver by default
 # (max_local_processes=): more is a typo or a runaway loop, not a plan.
 LOCAL_PROCESSES_PER_CPU = 4
@@ -287,50 +288,13 @@ def _check_host(argument: str, value: object) -> str | None:
     return host
 
 
+@options.documented("job")
 @dataclass(frozen=True)
 class LaunchSpec:
     """Every option of a launch, validated at construction.
 
     Attributes:
-        num_processes: total number of ranks.
-        local_mode: run the ranks on the driver (True) or in Spark barrier tasks (False).
-        use_gpu: give each rank a GPU.
-        env: extra environment variables for every rank.
-        max_restarts: torchrun's restarts of the worker group within one run.
-        torchrun_args: extra torchrun options (not those the distributor sets).
-        start_timeout: seconds to wait for slots, executors and the rendezvous.
-        timeout: seconds the whole run may take.
-        log_ranks: ranks whose output is forwarded to the logger (None: all).
-        logger: where rank output goes: anything with ``log(level, msg, *args)``.
-        on_metrics: called with each :class:`MetricRecord` as it arrives.
-        on_event: called with each :class:`~sparktorch_ops.events.PhaseEvent` of the run.
-        allow_unencrypted_channel: keep the rank -> driver channel plain TCP even though
-            Spark's encryption is on (by default it then uses TLS with a per-run certificate);
-            it stays authenticated by challenge and response either way.
-        max_result_bytes: the largest pickled return value rank 0 may send (default 1 GiB);
-            a larger one fails the run with
-            :class:`~sparktorch_ops.errors.ResultTooLargeError`, and the driver stops reading
-            it as soon as it passes the limit.
-        max_local_processes: the most ranks local mode may start (default
-            ``LOCAL_PROCESSES_PER_CPU`` (4) times the driver's CPU count); more is a
-            ConfigError naming ``num_processes`` before anything starts.
-        checkpoint_dir: where the ranks' :mod:`sparktorch_ops.checkpoint` helpers save and
-            resume (``SPARKTORCH_CHECKPOINT_DIR``): a path every rank reaches (made absolute)
-            or an fsspec URL.
-        warm_start_from: a checkpoint directory or a model file whose weights the ranks'
-            ``load_latest`` loads when ``checkpoint_dir`` holds no checkpoint yet
-            (``SPARKTORCH_WARM_START_FROM``).
-        mlflow_experiment: track the run in MLflow under this experiment (one MLflow run per
-            training run, logged by the driver; :mod:`sparktorch_ops.tracking`).
-        mlflow_tracking_uri: the tracking URI (default ``MLFLOW_TRACKING_URI``); setting it
-            alone also turns tracking on (MLflow's default experiment).
-        mlflow_all_ranks: log every rank's ``report()`` records, not only rank 0's.
-        mlflow_tags: tags for the MLflow run (the orchestrators add their run's ids).
-        channel_host: the address barrier tasks connect to for the driver's channel (logs,
-            metrics, the result), when the default is not reachable from the executors (NAT,
-            containers): the channel then listens on every interface. Default: a classic
-            session's ``spark.driver.host``; over Spark Connect, this machine's address on
-            the route to the Connect server.
+        <launch options>
     """
 
     num_processes: int = 1

@@ -22,7 +22,7 @@ the master is that Spark Connect URL (``sc://host:port/;user_id=...;token=...;us
 - any ``spark.*`` key of the extra is a Spark setting of the session, as for ``spark``.
 
 The token is part of the master URL: log it only through
-:func:`sparktorch_ops.spark.redact_connect_url`.
+:func:`sparktorch_ops.spark.session.redact_connect_url`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlparse, urlunparse
 
-from sparktorch_ops.spark import redact_connect_url
+from sparktorch_ops.spark.session import redact_connect_url
 
 DEFAULT_CONN_ID = "spark_default"
 FALLBACK_MASTER = "local[*]"

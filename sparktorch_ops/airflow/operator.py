@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from sparktorch_ops import events
+from sparktorch_ops import events, options
 from sparktorch_ops.airflow import storage
 from sparktorch_ops.airflow.connection import (
     DEFAULT_CONN_ID,
@@ -24,12 +24,12 @@ from sparktorch_ops.airflow.connection import (
     resolve_connection,
 )
 from sparktorch_ops.airflow.links import MlflowRunLink, SparkUILink
-from sparktorch_ops.dataframe import DataInput
 from sparktorch_ops.errors import ConfigError, SparkTorchError
 from sparktorch_ops.job import CancelToken, build_job
+from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
 from sparktorch_ops.outcome import outcome_of
-from sparktorch_ops.spark import SparkSettings, redact_connect_url
-from sparktorch_ops.spec import DEFAULT_MAX_RESULT_BYTES
+from sparktorch_ops.spark.dataframe import DataInput
+from sparktorch_ops.spark.session import SparkSettings, redact_connect_url
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -45,6 +45,7 @@ class TorchTrainingError(AirflowException):
     """
 
 
+@options.documented("operator")
 class TorchDistributorOperator(BaseOperator):
     """Run a PyTorch training function or torchrun script with sparktorch_ops.
 
@@ -66,16 +67,20 @@ class TorchDistributorOperator(BaseOperator):
     Bad input raises ``AirflowFailException`` before anything starts (no retry); failed,
     timed-out or cancelled training raises :class:`TorchTrainingError` (retried as configured).
 
+    Without ``checkpoint_dir``, the task instance has its own,
+    ``<result_location>/checkpoints/<dag>/<run>/<task>~hash``, shared by its tries: a retry
+    resumes from the previous try's latest checkpoint, a new DAG run starts fresh (on a
+    multi-host cluster give storage every executor reaches). A tracked run is tagged with the
+    dag, run, task and try; the XCom gets ``mlflow_run_id`` and the "MLflow run" extra link its
+    page. Without ``mlflow_tracking_uri``, the ``host`` (with schema and port) of the Airflow
+    connection ``mlflow_conn_id`` is used when it exists, else ``MLFLOW_TRACKING_URI``.
+
     Args:
         train: the training function (called on every rank as ``train(*train_args,
             **train_kwargs)``) or the path of a torchrun script (templated).
         train_args: the function's positional arguments, or the script's argv (templated).
         train_kwargs: the function's keyword arguments (templated).
-        num_processes, local_mode, use_gpu, env, max_restarts, timeout, start_timeout,
-            torchrun_args, log_ranks, max_result_bytes, max_local_processes,
-            allow_unencrypted_channel, channel_host: as for
-            :class:`~sparktorch_ops.TorchDistributor` (``num_processes``, ``env`` and
-            ``channel_host`` templated; rendered integers are coerced).
+        <launch options>
         conn_id: Airflow ``spark`` connection with the master for barrier mode, or
             ``spark_connect`` connection of a Spark Connect server.
         spark_conf: Spark settings for the session this task creates (templated); they
@@ -90,19 +95,6 @@ class TorchDistributorOperator(BaseOperator):
             read with :func:`sparktorch_ops.data.partition_loader`); the summary's ``input``
             gives its rows and columns.
         input_format: the format of ``input_path`` (default ``parquet``).
-        checkpoint_dir: where the ranks' :mod:`sparktorch_ops.checkpoint` saves and resumes
-            (templated). Default: ``<result_location>/checkpoints/<dag>/<run>/<task>~hash``,
-            the task instance's own, shared by its tries: a retry resumes from the previous
-            try's latest checkpoint, a new DAG run starts fresh. On a multi-host cluster it
-            must be storage every executor reaches (an object store URL, a shared mount).
-        warm_start_from: a checkpoint directory or model file whose weights the ranks load
-            when ``checkpoint_dir`` has no checkpoint yet (templated).
-        mlflow_experiment: track the run as one MLflow run in this experiment (templated),
-            logged from this worker, tagged with the dag, run, task and try; the XCom gets
-            ``mlflow_run_id`` and the "MLflow run" extra link its page.
-        mlflow_tracking_uri: the tracking URI (templated); default: the ``host`` (with
-            schema and port) of the Airflow connection ``mlflow_conn_id`` when it exists,
-            else ``MLFLOW_TRACKING_URI``.
         mlflow_conn_id: Airflow connection holding the MLflow tracking URI (default
             ``mlflow_default``; optional).
         **kwargs: BaseOperator arguments (``task_id``, ``retries``, ``execution_timeout``...).
@@ -112,18 +104,12 @@ class TorchDistributorOperator(BaseOperator):
         "train",
         "train_args",
         "train_kwargs",
-        "num_processes",
         "spark_conf",
-        "env",
         "result_location",
         "input_sql",
         "input_table",
         "input_path",
-        "checkpoint_dir",
-        "warm_start_from",
-        "channel_host",
-        "mlflow_experiment",
-        "mlflow_tracking_uri",
+        *(option.name for option in options.on("operator") if option.templated),
     )
     template_fields_renderers: ClassVar[dict[str, str]] = {
         "train_kwargs": "py",
@@ -132,6 +118,11 @@ class TorchDistributorOperator(BaseOperator):
         "env": "json",
     }
     operator_extra_links = (SparkUILink(), MlflowRunLink())
+    # Set with the other launch options in __init__; read here besides passing them on.
+    local_mode: bool
+    checkpoint_dir: str | None
+    mlflow_experiment: str | None
+    mlflow_tracking_uri: str | None
     ui_color = "#ee4c2c"
 
     def __init__(
@@ -165,6 +156,7 @@ class TorchDistributorOperator(BaseOperator):
         warm_start_from: str | None = None,
         mlflow_experiment: str | None = None,
         mlflow_tracking_uri: str | None = None,
+        mlflow_all_ranks: bool = False,
         mlflow_conn_id: str = "mlflow_default",
         **kwargs: Any,
     ) -> None:
@@ -176,27 +168,14 @@ class TorchDistributorOperator(BaseOperator):
             self.template_fields = tuple(f for f in type(self).template_fields if f != "train")
         self.train_args = list(train_args) if train_args is not None else []
         self.train_kwargs = dict(train_kwargs) if train_kwargs is not None else {}
-        self.num_processes = num_processes
-        self.local_mode = local_mode
-        self.use_gpu = use_gpu
+        for name, value in options.values_of("operator", locals()).items():
+            setattr(self, name, value)
         self.conn_id = conn_id
         self.spark_conf = dict(spark_conf) if spark_conf is not None else {}
-        self.env = dict(env) if env is not None else {}
-        self.max_restarts = max_restarts
-        self.timeout = timeout
-        self.start_timeout = start_timeout
-        self.torchrun_args = list(torchrun_args) if torchrun_args is not None else None
-        self.log_ranks = list(log_ranks) if log_ranks is not None else None
-        self.max_result_bytes = max_result_bytes
-        self.max_local_processes = max_local_processes
-        self.allow_unencrypted_channel = allow_unencrypted_channel
-        self.channel_host = channel_host
         self.result_location = result_location
         self.max_xcom_value_bytes = max_xcom_value_bytes
         self.input_sql, self.input_table = input_sql, input_table
         self.input_path, self.input_format = input_path, input_format
-        self.checkpoint_dir, self.warm_start_from = checkpoint_dir, warm_start_from
-        self.mlflow_experiment, self.mlflow_tracking_uri = mlflow_experiment, mlflow_tracking_uri
         self.mlflow_conn_id = mlflow_conn_id
         self.mlflow_run_link: str | None = None
         # Read by SparkUILink when the task ends; None: not known in this process.
@@ -211,34 +190,23 @@ class TorchDistributorOperator(BaseOperator):
         token = self._cancel_token
         try:
             data = self._data_input()
+            launch = {
+                **options.values_of("operator", self),
+                "checkpoint_dir": self._checkpoint_dir(context),
+                "mlflow_tracking_uri": self._mlflow_tracking_uri(),
+            }
             job = build_job(
                 train=self.train,
                 train_args=self.train_args,
                 train_kwargs=self.train_kwargs,
-                num_processes=self.num_processes,
-                local_mode=self.local_mode,
-                use_gpu=self.use_gpu,
                 spark=self._spark_settings(),
-                env=self.env,
-                max_restarts=self.max_restarts,
-                torchrun_args=self.torchrun_args,
-                timeout=self.timeout,
-                start_timeout=self.start_timeout,
-                log_ranks=self.log_ranks,
-                allow_unencrypted_channel=self.allow_unencrypted_channel,
-                channel_host=self.channel_host or None,
-                max_result_bytes=self.max_result_bytes,
-                max_local_processes=self.max_local_processes,
-                checkpoint_dir=self._checkpoint_dir(context),
-                warm_start_from=self.warm_start_from or None,
-                mlflow_experiment=self.mlflow_experiment or None,
-                mlflow_tracking_uri=self._mlflow_tracking_uri(),
                 mlflow_tags=_airflow_tags(context),
                 logger=self.log,
                 on_metrics=self._on_metrics,
                 on_event=lambda event: self._on_event(event, context),
                 cancel_token=token,
                 data=data,
+                **launch,
             )
             from sparktorch_ops.distributor import launch_job
 
@@ -266,15 +234,15 @@ class TorchDistributorOperator(BaseOperator):
         """The rendered ``mlflow_tracking_uri``, else the ``mlflow_conn_id`` connection's (when
         tracking is on and the connection exists), else None (``MLFLOW_TRACKING_URI``)."""
         if self.mlflow_tracking_uri:
-            return str(self.mlflow_tracking_uri)
+            return self.mlflow_tracking_uri
         if not self.mlflow_experiment:
             return None
         return mlflow_uri_from_connection(self.mlflow_conn_id, self.log)
 
-    def _checkpoint_dir(self, context: Context) -> str:
+    def _checkpoint_dir(self, context: Context) -> str | None:
         """The rendered ``checkpoint_dir``, else the task instance's own (kept across tries)."""
         if self.checkpoint_dir:
-            return str(self.checkpoint_dir)
+            return self.checkpoint_dir
         ti: Any = context["ti"]
         return storage.checkpoint_location(
             str(self.result_location or storage.default_result_location()),

@@ -22,7 +22,7 @@ from sparktorch_ops.prefect.results import (
     retry_unless_bad_input,
 )
 from sparktorch_ops.prefect.task import run_torch_distributor
-from sparktorch_ops.spark import validate_master
+from sparktorch_ops.spark.session import validate_master
 
 __all__ = [
     "TASK_RUN_RESULT_KEY",

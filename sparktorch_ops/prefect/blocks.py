@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from prefect.blocks.core import Block
 from pydantic import Field, field_validator, model_validator
 
-from sparktorch_ops import spark as spark_support
+from sparktorch_ops.spark import session as spark_support
 
 
 class SparkCluster(Block):
@@ -125,8 +125,8 @@ def resolve_tracking_uri(value: str | None) -> str | None:
     Raises:
         ConfigError: a name that is no saved block.
     """
-    if value is None or ":" in value or "/" in value:
-        return value
+    if not isinstance(value, str) or ":" in value or "/" in value:
+        return value  # None, a URI, or something the job's own check refuses by name
     return str(load_block(MlflowServer, value, "mlflow_tracking_uri").tracking_uri)
 
 

@@ -23,12 +23,12 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
-from sparktorch_ops import events
-from sparktorch_ops.dataframe import DataInput
+from sparktorch_ops import events, options
 from sparktorch_ops.distributor import launch_job
+from sparktorch_ops.driver.packing import describe
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.job import build_job
-from sparktorch_ops.payload import describe
+from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
 from sparktorch_ops.prefect.artifacts import (
     RunArtifacts,
     RunSummary,
@@ -44,8 +44,8 @@ from sparktorch_ops.prefect.results import (
     retry_unless_bad_input,
 )
 from sparktorch_ops.results import latest_values
-from sparktorch_ops.spark import SparkSettings, validate_conf
-from sparktorch_ops.spec import DEFAULT_MAX_RESULT_BYTES
+from sparktorch_ops.spark.dataframe import DataInput
+from sparktorch_ops.spark.session import SparkSettings, validate_conf
 
 TrainObject = Callable[..., Any] | str | os.PathLike[str]
 
@@ -74,6 +74,7 @@ def _spark_settings(
     persist_result=True,
     retry_condition_fn=retry_unless_bad_input,
 )
+@options.documented("task")
 def run_torch_distributor(
     train: TrainObject,
     train_args: Sequence[Any] | None = None,
@@ -106,6 +107,7 @@ def run_torch_distributor(
     warm_start_from: str | None = None,
     mlflow_experiment: str | None = None,
     mlflow_tracking_uri: str | None = None,
+    mlflow_all_ranks: bool = False,
 ) -> Any:
     """Run a training function or script on ``num_processes`` ranks; return rank 0's value.
 
@@ -119,18 +121,23 @@ def run_torch_distributor(
     ``<key>-summary`` and, with Spark, ``<key>-spark-ui``.
 
     The result is persisted in Prefect's result storage under a key unique to the task run
-    (``persist_result=False`` in ``with_options`` keeps it in memory only).
+    (``persist_result=False`` in ``with_options`` keeps it in memory only). ``timeout`` is the
+    core's limit on the training, apart from Prefect's ``timeout_seconds`` on the whole task.
+
+    Without ``checkpoint_dir``, the task run has its own directory under Prefect's local
+    storage path (``.../sparktorch_ops/checkpoints/<flow run>/<task>``): a retry resumes from
+    the previous try's latest checkpoint, a new flow run starts fresh (on a multi-host cluster
+    give storage every executor reaches). A tracked run is tagged with the flow run and task
+    run; the summary artifact names it and ``<key>-mlflow`` links to it.
+    ``mlflow_tracking_uri`` may also name a saved :class:`~sparktorch_ops.prefect.MlflowServer`
+    block.
 
     Args:
         train: a function (run as ``train(*train_args, **train_kwargs)`` on every rank) or the
             path of a script (run under torchrun with ``train_args`` as its argv).
         train_args: the function's positional arguments, or the script's arguments.
         train_kwargs: the function's keyword arguments (not for scripts).
-        num_processes, local_mode, use_gpu, env, max_restarts, torchrun_args, start_timeout,
-            log_ranks, max_result_bytes, max_local_processes, allow_unencrypted_channel,
-            channel_host: as for :class:`~sparktorch_ops.TorchDistributor`.
-        timeout: seconds (or a timedelta) the training may take (the core stops it; distinct
-            from Prefect's ``timeout_seconds``, which covers the whole task).
+        <launch options>
         spark_master: the Spark master URL for barrier mode (see :class:`SparkCluster`).
         spark_conf: Spark conf for the session (applied over the cluster block's conf).
         cluster: a :class:`SparkCluster` block, or the name it was saved under.
@@ -142,19 +149,6 @@ def run_torch_distributor(
             query, table or path read on the run's session; the summary gives its rows and
             columns. Not part of any cache key.
         input_format: the format of ``input_path`` (default ``parquet``).
-        checkpoint_dir: where the ranks' :mod:`sparktorch_ops.checkpoint` saves and resumes.
-            Default: the task run's own directory under Prefect's local storage path
-            (``.../sparktorch_ops/checkpoints/<flow run>/<task>``): a retry resumes from the
-            previous try's latest checkpoint, a new flow run starts fresh. On a multi-host
-            cluster give storage every executor reaches (an object store URL, a shared mount).
-        warm_start_from: a checkpoint directory or model file whose weights the ranks load
-            when ``checkpoint_dir`` has no checkpoint yet.
-        mlflow_experiment: track the run as one MLflow run in this experiment (logged from
-            this process, tagged with the flow run and task run); the summary artifact names
-            it and ``<key>-mlflow`` links to it.
-        mlflow_tracking_uri: the tracking URI, or the name of a saved
-            :class:`~sparktorch_ops.prefect.MlflowServer` block (default
-            ``MLFLOW_TRACKING_URI``).
 
     Returns:
         Rank 0's return value (a function) or rank 0's stdout (a script).
@@ -185,33 +179,22 @@ def run_torch_distributor(
             session.update(event.detail)
 
     data = DataInput.given(dataframe, input_sql, input_table, input_path, input_format)
+    launch = {
+        **options.values_of("task", locals()),
+        "checkpoint_dir": checkpoint_dir or default_checkpoint_dir(ctx),
+        "mlflow_tracking_uri": resolve_tracking_uri(mlflow_tracking_uri),
+    }
     job = build_job(
         train=train,  # type: ignore[arg-type]
         train_args=train_args,
         train_kwargs=train_kwargs,
-        num_processes=num_processes,
-        local_mode=local_mode,
-        use_gpu=use_gpu,
         spark=_spark_settings(spark_master, spark_conf, cluster),
-        env=env,
-        max_restarts=max_restarts,
-        torchrun_args=torchrun_args,
-        timeout=timeout,
-        start_timeout=start_timeout,
-        log_ranks=log_ranks,
-        allow_unencrypted_channel=allow_unencrypted_channel,
-        channel_host=channel_host,
-        max_result_bytes=max_result_bytes,
-        max_local_processes=max_local_processes,
-        checkpoint_dir=checkpoint_dir or default_checkpoint_dir(ctx),
-        warm_start_from=warm_start_from,
-        mlflow_experiment=mlflow_experiment,
-        mlflow_tracking_uri=resolve_tracking_uri(mlflow_tracking_uri),
         mlflow_tags=_prefect_tags(ctx),
         logger=logger,
         on_metrics=recorder.on_metrics if recorder is not None else None,
         on_event=on_event,
         data=data,
+        **launch,
     )
     logger.info(
         "launching %s on %d processes in %s mode%s",

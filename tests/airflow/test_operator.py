@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from sparktorch_ops import options
 from sparktorch_ops.airflow import load_result
 from tests.support.procs import wait_until_gone
 
@@ -131,6 +132,19 @@ def test_bad_input_fails_at_once_without_retry(
         assert message in log, task_id
         # Nothing started: no Spark session, no ranks.
         assert "starting a SparkSession" not in log, task_id
+        assert not RUN_STARTED.search(log), task_id
+
+
+def test_every_launch_option_reaches_the_job(
+    capfd: pytest.CaptureFixture[str], run_dag: Any
+) -> None:
+    outcome = run_dag(capfd, "sto_bad_input")
+    for option in options.on("operator"):
+        task_id = f"bad_{option.name}"
+        task = outcome.task(task_id)
+        assert (task.state, task.try_number) == ("failed", 1), task_id
+        log = outcome.task_log(task_id)
+        assert f"sparktorch_ops: bad input: {option.name}: " in log, (task_id, log[-3000:])
         assert not RUN_STARTED.search(log), task_id
 
 

@@ -115,7 +115,7 @@ def test_connect_url_is_what_the_spark_connect_hook_builds(conn_id: str) -> None
     from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
 
     from sparktorch_ops.airflow.connection import resolve_connection
-    from sparktorch_ops.spark import SparkSettings, parse_master
+    from sparktorch_ops.spark.session import SparkSettings, parse_master
 
     expected = SparkConnectHook(conn_id=conn_id).get_connection_url()
     ours = resolve_connection(conn_id, LOG)

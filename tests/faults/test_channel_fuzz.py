@@ -29,9 +29,10 @@ from pathlib import Path
 
 import psutil
 
-from sparktorch_ops import TorchDistributor, channel, messages
+from sparktorch_ops import TorchDistributor
 from sparktorch_ops.events import CHANNEL_OPEN, PhaseEvent
-from sparktorch_ops.planning import RUN_ID_ENV
+from sparktorch_ops.wire import channel, messages
+from sparktorch_ops.wire.env import RUN_ID_ENV
 
 Address = tuple[str, int]
 HEADER = struct.Struct("!BI")

@@ -17,7 +17,6 @@ from pathlib import Path
 import psutil
 from pyspark.sql import SparkSession
 from sparktorch_ops import TorchDistributor
-from sparktorch_ops.planning import RUN_ID_ENV
 from tests.faults.training import long_training, fail_after_ready
 from tests.support.procs import wait_until_gone, warm_processes
 
@@ -75,7 +74,7 @@ out = {{}}
 out["raise"] = scenario("raise", fail_after_ready, lambda d, pids: None)
 out["rank_kill"] = scenario("rank_kill", long_training, lambda d, pids: os.kill(pids[1], signal.SIGKILL))
 out["agent_kill"] = scenario("agent_kill", long_training,
-                             lambda d, pids: ancestor(pids[0], "sparktorch_ops.agent").kill())
+                             lambda d, pids: ancestor(pids[0], "sparktorch_ops.node.agent").kill())
 out["cancel"] = scenario("cancel", long_training, lambda d, pids: d.cancel())
 out["executor_kill"] = scenario("executor_kill", long_training,
                                 lambda d, pids: ancestor(pids[1], "CoarseGrainedExecutorBackend").kill())

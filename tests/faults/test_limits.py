@@ -23,9 +23,9 @@ from sparktorch_ops import (
     TrainingFailedError,
 )
 from sparktorch_ops import distributor as distributor_module
-from sparktorch_ops.collector import TAIL_CHARS
-from sparktorch_ops.planning import RUN_ID_ENV
+from sparktorch_ops.driver.collector import TAIL_CHARS
 from sparktorch_ops.results import OUTPUT_CUT_NOTE
+from sparktorch_ops.wire.env import RUN_ID_ENV
 from tests.faults.training import long_training
 from tests.support.driver import run_driver
 from tests.support.procs import wait_until_gone

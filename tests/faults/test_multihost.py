@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 import pytest
 
-from sparktorch_ops.planning import RUN_ID_ENV
+from sparktorch_ops.wire.env import RUN_ID_ENV
 from tests.support.cluster import cluster_env, free_port, spark_home, stop_process_groups
 from tests.support.driver import ROOT
 from tests.support.procs import processes_with_marker, wait_until_gone
@@ -448,7 +448,7 @@ def test_killed_driver_leaves_nothing_on_either_host(
     assert {_net_namespace(pid) for pid in pids} == expected
     marked = processes_with_marker(run_id)
     assert {_net_namespace(p.pid) for p in marked} == expected
-    assert any("sparktorch_ops.agent" in " ".join(p.cmdline()) for p in marked)
+    assert any("sparktorch_ops.node.agent" in " ".join(p.cmdline()) for p in marked)
 
     time.sleep(1.0)  # the ranks are in their loop of barriers and sleeps
     started = time.monotonic()

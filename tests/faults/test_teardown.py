@@ -21,7 +21,7 @@ from sparktorch_ops import (
     TrainingFailedError,
     TrainingTimeoutError,
 )
-from sparktorch_ops.planning import RUN_ID_ENV
+from sparktorch_ops.wire.env import RUN_ID_ENV
 from tests.faults.training import fail_after_ready, hang_in_collective, long_training
 from tests.support.procs import wait_until_gone
 
@@ -122,7 +122,7 @@ def test_torchrun_agent_sigkilled(mode: str, spark: Any, tmp_path: Path) -> None
     agents = [
         p
         for p in psutil.Process(pids[0]).parents()
-        if "sparktorch_ops.agent" in " ".join(p.cmdline())
+        if "sparktorch_ops.node.agent" in " ".join(p.cmdline())
     ]
     assert agents, "no agent above rank 0"
     agents[-1].kill()  # the topmost: the forked supervisor shares the agent's command line

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from sparktorch_ops import data
+from sparktorch_ops.data import shards as shard_format
 
 
 def test_lightning_fits_on_partition_loader(
@@ -46,8 +47,8 @@ def test_lightning_fits_on_partition_loader(
         ],
         names=["id", "x", "y"],
     )
-    (shard,) = data.write_shards([batch], batch.schema, str(tmp_path), 1)
-    for name, value in data.rank_env(shard.path, "", shard.rows).items():
+    (shard,) = shard_format.write_shards([batch], batch.schema, str(tmp_path), 1)
+    for name, value in shard_format.rank_env(shard.path, "", shard.rows).items():
         monkeypatch.setenv(name, value)
 
     loader = data.partition_loader(32, shuffle=True, seed=5)

@@ -279,7 +279,7 @@ def test_the_client_never_starts_a_jvm(connect_server: ConnectServer) -> None:
 def test_an_unreachable_connect_url_fails_fast() -> None:
     """The session factory (the operator's, the Prefect block's, the CLI's) refuses at once a
     Connect URL nothing answers at, naming the setting and hiding the token."""
-    from sparktorch_ops.spark import SparkSettings, get_session
+    from sparktorch_ops.spark.session import SparkSettings, get_session
 
     started = time.monotonic()
     with pytest.raises(ConfigError, match="cannot reach the Spark Connect server") as info:

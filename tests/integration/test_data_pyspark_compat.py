@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from sparktorch_ops import data
+from sparktorch_ops.data import shards as shard_format
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +56,10 @@ def frame(spark: Any) -> Any:
     return spark.createDataFrame(rows, schema).repartition(7)
 
 
-def _shard(frame: Any, directory: Path) -> tuple[data.ShardFile, str]:
+def _shard(frame: Any, directory: Path) -> tuple[shard_format.ShardFile, str]:
     table = frame.toArrow()
-    (shard,) = data.write_shards(table.to_batches(), table.schema, str(directory), 1)
-    schema_path = data.write_schema_file(frame.schema.json(), str(directory))
+    (shard,) = shard_format.write_shards(table.to_batches(), table.schema, str(directory), 1)
+    schema_path = shard_format.write_schema_file(frame.schema.json(), str(directory))
     return shard, schema_path
 
 
@@ -74,7 +75,7 @@ def test_pyspark_loader_and_ours_yield_equal_batches(
 
     shard, schema_path = _shard(frame, tmp_path)
     assert shard.rows == 1001
-    for name, value in data.rank_env(shard.path, schema_path, shard.rows).items():
+    for name, value in shard_format.rank_env(shard.path, schema_path, shard.rows).items():
         monkeypatch.setenv(name, value)
     assert os.environ["SPARK_PARTITION_ARROW_DATA_FILE"] == shard.path
 
@@ -96,12 +97,12 @@ def test_pyspark_loader_reads_our_shards_of_a_multi_rank_layout(
     from pyspark.ml.torch.distributor import _get_spark_partition_data_loader
 
     table = frame.toArrow()
-    shards = data.write_shards(table.to_batches(), table.schema, str(tmp_path), 2)
-    schema_path = data.write_schema_file(frame.schema.json(), str(tmp_path))
-    rows = data.epoch_rows(s.rows for s in shards)
+    shards = shard_format.write_shards(table.to_batches(), table.schema, str(tmp_path), 2)
+    schema_path = shard_format.write_schema_file(frame.schema.json(), str(tmp_path))
+    rows = shard_format.epoch_rows(s.rows for s in shards)
     ids: list[int] = []
     for shard in shards:
-        for name, value in data.rank_env(shard.path, schema_path, rows).items():
+        for name, value in shard_format.rank_env(shard.path, schema_path, rows).items():
             monkeypatch.setenv(name, value)
         loader = _get_spark_partition_data_loader(shard.rows, 50, num_workers=0)
         ids += [int(i) for batch in loader for i in batch[0]]

@@ -15,8 +15,8 @@ SCRIPT = textwrap.dedent(
 
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(levelname)s|%(name)s|%(message)s")
     logging.getLogger("py4j").setLevel(logging.WARNING)
-    from sparktorch_ops import jvm_log
-    from sparktorch_ops.spark import SparkSettings, get_session, stop_session
+    from sparktorch_ops.spark import jvm_log
+    from sparktorch_ops.spark.session import SparkSettings, get_session, stop_session
 
     handle = get_session(SparkSettings(master="local[2]"), logging.getLogger("the-run"))
     sc = handle.session.sparkContext

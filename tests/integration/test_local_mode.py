@@ -339,7 +339,7 @@ def test_ranks_start_as_fresh_interpreters_where_a_fork_could_not_use_cuda(
         use_gpu=False,
         env=cuda_touched_before_fork_env(tmp_path),
     ).run(rank_process_facts)
-    assert facts["cmdline"][1:4] == ["-u", "-m", "sparktorch_ops.worker"], facts
+    assert facts["cmdline"][1:4] == ["-u", "-m", "sparktorch_ops.rank.worker"], facts
     assert facts["name"] == "torch-rank-0"
     assert facts["nvml_check"] is None
     assert facts["world"] == 2

@@ -1,4 +1,4 @@
-"""MLflow tracking (sparktorch_ops.tracking) against real stores: an ``mlflow server`` process
+"""MLflow tracking (sparktorch_ops.driver.tracking) against real stores: an ``mlflow server`` process
 and SQLite tracking stores, with real torchrun ranks (gloo on CPU).
 
 One MLflow run per training run, written by the driver; the ranks never see the tracking URI

@@ -26,7 +26,8 @@ from sparktorch_ops import (
     TrainingTimeoutError,
     warm,
 )
-from sparktorch_ops.forkserver import WARM_PROCESS_ENV
+from sparktorch_ops.wire import env as wire_env
+from sparktorch_ops.wire.env import WARM_PROCESS_ENV
 from tests.support.cluster import cluster_env
 from tests.support.driver import ROOT
 from tests.support.procs import (
@@ -69,7 +70,7 @@ def visible_state(tmp: str, change: bool) -> dict[str, Any]:
 def forked_warm() -> bool:
     """Whether this rank's agent was forked by a warm process."""
     agent = psutil.Process().parent().parent()
-    assert agent.cmdline()[1:3] == ["-m", "sparktorch_ops.agent"]  # the same, forked or not
+    assert agent.cmdline()[1:3] == ["-m", "sparktorch_ops.node.agent"]  # the same, forked or not
     return WARM_PROCESS_ENV in psutil.Process(agent.ppid()).environ()
 
 
@@ -231,8 +232,8 @@ def test_a_warm_process_that_touched_cuda_is_refused(
     distributor = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False, env=env)
     facts = distributor.run(agent_command)
     # The agent is a fresh interpreter, and so are the ranks (the supervisor's own check).
-    assert facts["warm"] is False and facts["agent"][1:3] == ["-m", "sparktorch_ops.agent"]
-    assert facts["rank"][1:4] == ["-u", "-m", "sparktorch_ops.worker"], facts
+    assert facts["warm"] is False and facts["agent"][1:3] == ["-m", "sparktorch_ops.node.agent"]
+    assert facts["rank"][1:4] == ["-u", "-m", "sparktorch_ops.rank.worker"], facts
     assert _no_warm_process_within(30.0)
 
 
@@ -242,7 +243,7 @@ def agent_command() -> dict[str, Any]:
 
 
 def test_the_warm_agent_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(warm.WARM_AGENT_ENV, "0")
+    monkeypatch.setenv(wire_env.WARM_AGENT_ENV, "0")
     facts = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(agent_command)
     assert facts["warm"] is False
     assert warm.warm_processes() == [] and warm_processes(os.getpid()) == []

@@ -15,6 +15,7 @@ from uuid import UUID
 import pytest
 from prefect import flow
 
+from sparktorch_ops import options as launch_options
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.prefect import (
     TASK_RUN_RESULT_KEY,
@@ -26,6 +27,7 @@ from sparktorch_ops.prefect.artifacts import check_artifact_key, key_from_name, 
 from sparktorch_ops.results import MetricRecord
 from tests.prefect.conftest import flow_run_artifacts, flow_run_logs, run_ids, task_runs
 from tests.support.connect_server import ConnectServer
+from tests.support.launch_options import BAD
 from tests.support.procs import wait_until_gone
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -234,6 +236,27 @@ def test_bad_input_fails_before_anything_starts(options: dict[str, Any], argumen
     assert any("ConfigError" in log.message and f"{argument}:" in log.message for log in logs)
     assert run_ids(logs) == []  # nothing was launched
     assert flow_run_artifacts(state.state_details.flow_run_id) == {}
+
+
+def test_every_launch_option_reaches_the_job() -> None:
+    """A value the job refuses, for each launch option in turn: each task run fails naming it
+    (the task passes every option on), one flow run for all of them."""
+
+    @flow
+    def bad_options() -> dict[str, Any]:
+        return {
+            option.name: run_torch_distributor(
+                _barrier_job, **{"use_gpu": False, option.name: BAD[option.name]}, return_state=True
+            )
+            for option in launch_options.on("task")
+        }
+
+    states = bad_options()
+    assert set(states) == {option.name for option in launch_options.on("task")}
+    for name, state in states.items():
+        assert state.is_failed(), name
+        error = state.result(raise_on_failure=False)
+        assert isinstance(error, ConfigError) and error.argument == name, (name, error)
 
 
 def test_barrier_mode_on_a_named_cluster_links_the_spark_ui(spark: Any) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import psutil
 
-from sparktorch_ops.planning import RUN_ID_ENV
+from sparktorch_ops.wire.env import RUN_ID_ENV
 
 # What every rank must see, as torchrun sets it (plus the threads we set).
 ENV_CONTRACT = (
@@ -78,7 +78,7 @@ def alive(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
 
 def warm_processes(launcher: int | None = None) -> list[psutil.Process]:
     """Live warm agents (fork servers) started by ``launcher`` (any launcher when None)."""
-    from sparktorch_ops.forkserver import WARM_PROCESS_ENV
+    from sparktorch_ops.wire.env import WARM_PROCESS_ENV
 
     return processes_with_env(
         WARM_PROCESS_ENV, lambda token: launcher is None or token.startswith(f"{launcher}-")

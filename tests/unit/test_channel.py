@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from sparktorch_ops import channel, messages
 from sparktorch_ops.errors import ChannelError
-from sparktorch_ops.messages import Hello
+from sparktorch_ops.wire import channel, messages
+from sparktorch_ops.wire.messages import Hello
 
 
 class Recorder(channel.ChannelHandler):
@@ -202,9 +202,9 @@ def test_clients_keep_their_connection_alive(server) -> None:  # type: ignore[no
 
 def test_tls_channel_pins_the_runs_certificate(caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("cryptography")
-    from sparktorch_ops import tls
+    from sparktorch_ops.driver.certificate import make_certificate
 
-    certificate = tls.make_certificate()
+    certificate = make_certificate()
     assert "key_pem" not in repr(certificate)
     recorder = Recorder()
     srv = channel.ChannelServer(
@@ -233,7 +233,7 @@ def test_tls_channel_pins_the_runs_certificate(caplog: pytest.LogCaptureFixture)
         with pytest.raises(ChannelError, match="not this run's"):
             channel.ChannelClient.connect(
                 srv.address, "s3cret", Hello(role="worker", rank=0),
-                fingerprint=tls.make_certificate().fingerprint,
+                fingerprint=make_certificate().fingerprint,
             )  # fmt: skip
         with pytest.raises(ChannelError, match="did not accept"):  # plain TCP is refused
             channel.ChannelClient.connect(

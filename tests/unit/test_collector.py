@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import logging
 
-from sparktorch_ops import channel, messages
-from sparktorch_ops.collector import SCRIPT_OUTPUT_CAP, ResultBytes, RunCollector
-from sparktorch_ops.messages import Hello
+from sparktorch_ops.driver.collector import SCRIPT_OUTPUT_CAP, ResultBytes, RunCollector
+from sparktorch_ops.wire import channel, messages
+from sparktorch_ops.wire.messages import Hello
 
 
 def peer(conn_id: int, rank: int, role: str = "supervisor", attempt: int = 0) -> channel.Peer:

@@ -22,14 +22,11 @@ import pytest
 import torch
 
 from sparktorch_ops import data
-from sparktorch_ops.data import (
-    DATA_FILE_ENV,
-    EPOCH_ROWS_ENV,
-    SCHEMA_FILE_ENV,
-    DataError,
-    ShardFile,
-)
+from sparktorch_ops.data import DataError
+from sparktorch_ops.data import shards as shard_format
+from sparktorch_ops.data.shards import ShardFile
 from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.wire.env import DATA_FILE_ENV, EPOCH_ROWS_ENV, SCHEMA_FILE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = 1001
@@ -99,15 +96,15 @@ def read_ids(path: str) -> list[int]:
 
 @pytest.fixture
 def shards(tmp_path: Path) -> list[ShardFile]:
-    return data.write_shards(iter(make_batches()), SCHEMA, str(tmp_path / "shards"), 2)
+    return shard_format.write_shards(iter(make_batches()), SCHEMA, str(tmp_path / "shards"), 2)
 
 
 @pytest.fixture
 def as_rank(monkeypatch: pytest.MonkeyPatch, shards: list[ShardFile]) -> Any:
-    rows = data.epoch_rows(s.rows for s in shards)
+    rows = shard_format.epoch_rows(s.rows for s in shards)
 
     def point(rank: int) -> str:
-        for name, value in data.rank_env(shards[rank].path, "", rows).items():
+        for name, value in shard_format.rank_env(shards[rank].path, "", rows).items():
             monkeypatch.setenv(name, value)
         monkeypatch.setenv("RANK", str(rank))
         return shards[rank].path
@@ -129,18 +126,18 @@ def test_write_shards_balances_rows_and_keeps_every_row_once(shards: list[ShardF
     # Row i of the stream goes to shard i % 2, across batch boundaries.
     assert all(i % 2 == 0 for i in first) and all(i % 2 == 1 for i in second)
     assert first == sorted(first)
-    assert data.epoch_rows([s.rows for s in shards]) == 501
-    assert data.epoch_rows([]) == 0
+    assert shard_format.epoch_rows([s.rows for s in shards]) == 501
+    assert shard_format.epoch_rows([]) == 0
 
 
 def test_write_shards_with_more_shards_than_some_batches(tmp_path: Path) -> None:
-    written = data.write_shards(make_batches((1, 2, 0, 4)), SCHEMA, str(tmp_path), 3)
+    written = shard_format.write_shards(make_batches((1, 2, 0, 4)), SCHEMA, str(tmp_path), 3)
     assert [s.rows for s in written] == [3, 2, 2]
     assert [read_ids(s.path) for s in written] == [[0, 3, 6], [1, 4], [2, 5]]
 
 
 def test_write_shards_of_nothing_writes_schema_only_files(tmp_path: Path) -> None:
-    written = data.write_shards([], SCHEMA, str(tmp_path), 2)
+    written = shard_format.write_shards([], SCHEMA, str(tmp_path), 2)
     assert [s.rows for s in written] == [0, 0]
     with pa.ipc.open_stream(written[0].path) as reader:
         assert reader.schema.equals(SCHEMA)
@@ -149,18 +146,18 @@ def test_write_shards_of_nothing_writes_schema_only_files(tmp_path: Path) -> Non
 
 def test_write_shards_refuses_bad_count_and_mismatched_batches(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="count"):
-        data.write_shards([], SCHEMA, str(tmp_path), 0)
+        shard_format.write_shards([], SCHEMA, str(tmp_path), 0)
     other = pa.record_batch([pa.array([1.0])], names=["id"])
     with pytest.raises(DataError, match="columns"):
-        data.write_shards([other], SCHEMA, str(tmp_path), 2)
+        shard_format.write_shards([other], SCHEMA, str(tmp_path), 2)
     same_names = pa.schema([("a", pa.int64())])
     with pytest.raises(DataError, match="column 'a'"):
-        data.write_shards(
+        shard_format.write_shards(
             [pa.record_batch([pa.array([1.0])], names=["a"])], same_names, str(tmp_path), 1
         )
     # Metadata-only differences are fine.
     tagged = same_names.with_metadata({"k": "v"})
-    (one,) = data.write_shards(
+    (one,) = shard_format.write_shards(
         [pa.record_batch([pa.array([1, 2])], names=["a"])], tagged, str(tmp_path), 1
     )
     assert one.rows == 2
@@ -168,11 +165,11 @@ def test_write_shards_refuses_bad_count_and_mismatched_batches(tmp_path: Path) -
 
 def test_write_schema_file_and_rank_env(tmp_path: Path) -> None:
     schema_json = json.dumps({"type": "struct", "fields": []})
-    path = data.write_schema_file(schema_json, str(tmp_path))
+    path = shard_format.write_schema_file(schema_json, str(tmp_path))
     assert json.loads(Path(path).read_text()) == {"type": "struct", "fields": []}
     with pytest.raises(ConfigError, match="spark_schema_json"):
-        data.write_schema_file("{nope", str(tmp_path))
-    assert data.rank_env("/s/rank-1.arrow", path, 501) == {
+        shard_format.write_schema_file("{nope", str(tmp_path))
+    assert shard_format.rank_env("/s/rank-1.arrow", path, 501) == {
         DATA_FILE_ENV: "/s/rank-1.arrow",
         SCHEMA_FILE_ENV: path,
         EPOCH_ROWS_ENV: "501",
@@ -198,7 +195,7 @@ def test_tensor_problems_names_what_cannot_become_a_tensor() -> None:
             ("nothing", pa.null()),
         ]
     )
-    problems = data.tensor_problems(schema)
+    problems = shard_format.tensor_problems(schema)
     assert list(problems) == [
         "name",
         "props",
@@ -213,9 +210,9 @@ def test_tensor_problems_names_what_cannot_become_a_tensor() -> None:
     assert "string" in problems["name"] and "map" in problems["props"]
     assert "struct" in problems["point"] and "decimal" in problems["price"]
     assert "nested" in problems["nested"] and "string" in problems["tags"]
-    assert data.tensor_problems(SCHEMA) == {}
-    assert data.is_vector_type(VECTOR)
-    assert not data.is_vector_type(pa.struct([("type", pa.int8())]))
+    assert shard_format.tensor_problems(SCHEMA) == {}
+    assert shard_format.is_vector_type(VECTOR)
+    assert not shard_format.is_vector_type(pa.struct([("type", pa.int8())]))
 
 
 def test_ragged_arrays_are_named_by_the_checks() -> None:
@@ -223,14 +220,16 @@ def test_ragged_arrays_are_named_by_the_checks() -> None:
         [pa.array([[1.0, 2.0], [3.0, 4.0, 5.0]]), pa.array([[1, 2], [3, 4]])],
         names=["ragged", "even"],
     )
-    assert data.array_length_range(batch) == {"ragged": (2, 3), "even": (2, 2)}
+    assert shard_format.array_length_range(batch) == {"ragged": (2, 3), "even": (2, 2)}
     with pytest.raises(DataError, match=r"'ragged'.*different lengths"):
-        data.check_uniform_lengths(batch)
-    assert data.check_uniform_lengths(batch, columns=["even"]) == {"even": 2}
+        shard_format.check_uniform_lengths(batch)
+    assert shard_format.check_uniform_lengths(batch, columns=["even"]) == {"even": 2}
     vectors = make_batch(range(4))
-    assert data.check_uniform_lengths(vectors) == {"feats": 3, "pair": 2, "vec": 3}
+    assert shard_format.check_uniform_lengths(vectors) == {"feats": 3, "pair": 2, "vec": 3}
     with pytest.raises(DataError, match=r"'even'.*null"):
-        data.check_uniform_lengths(pa.record_batch([pa.array([[1, 2], None])], names=["even"]))
+        shard_format.check_uniform_lengths(
+            pa.record_batch([pa.array([[1, 2], None])], names=["even"])
+        )
 
 
 # -- the rank side ------------------------------------------------------------------------------
@@ -304,7 +303,7 @@ def test_ml_vectors_dense_and_sparse_become_one_float64_matrix(as_rank: Any) -> 
     expected = [_expected_vector(i) for i in batch["id"].tolist()]
     assert batch["vec"].tolist() == expected
     mixed = make_batch(range(10))  # ... and dense and sparse in one record batch
-    path = data.write_shards([mixed], SCHEMA, os.path.dirname(os.environ[DATA_FILE_ENV]), 1)
+    path = shard_format.write_shards([mixed], SCHEMA, os.path.dirname(os.environ[DATA_FILE_ENV]), 1)
     os.environ[DATA_FILE_ENV] = path[0].path
     os.environ[EPOCH_ROWS_ENV] = "10"
     (batch,) = list(data.partition_loader(10, columns=["vec"]))
@@ -380,8 +379,10 @@ def test_dataloader_worker_processes_in_a_fresh_interpreter(tmp_path: Path) -> N
 def worker_checks(scratch: str) -> None:
     """Every check that starts DataLoader worker processes, as rank 0 of two shards in
     ``scratch`` (run by the test above in a fresh interpreter)."""
-    shards = data.write_shards(iter(make_batches()), SCHEMA, scratch, 2)
-    os.environ.update(data.rank_env(shards[0].path, "", data.epoch_rows(s.rows for s in shards)))
+    shards = shard_format.write_shards(iter(make_batches()), SCHEMA, scratch, 2)
+    os.environ.update(
+        shard_format.rank_env(shards[0].path, "", shard_format.epoch_rows(s.rows for s in shards))
+    )
     os.environ["RANK"] = "0"
 
     # Workers split the batches and keep their order.
@@ -413,7 +414,7 @@ def test_a_string_column_is_refused_unless_left_out(tmp_path: Path, monkeypatch:
     batch = pa.record_batch(
         [pa.array([1.0, 2.0, 3.0]), pa.array(["a", "b", "c"])], names=["x", "name"]
     )
-    (shard,) = data.write_shards([batch], batch.schema, str(tmp_path), 1)
+    (shard,) = shard_format.write_shards([batch], batch.schema, str(tmp_path), 1)
     monkeypatch.setenv(DATA_FILE_ENV, shard.path)
     monkeypatch.setenv(EPOCH_ROWS_ENV, "3")
     with pytest.raises(DataError, match=r"'name'.*string"):
@@ -430,13 +431,13 @@ def test_ragged_arrays_in_a_shard_name_the_column(tmp_path: Path, monkeypatch: A
         pa.record_batch([pa.array([[1.0, 2.0], [3.0, 4.0]])], names=["emb"]),
         pa.record_batch([pa.array([[1.0, 2.0, 3.0]])], names=["emb"]),
     ]
-    (shard,) = data.write_shards(batches, batches[0].schema, str(tmp_path), 1)
+    (shard,) = shard_format.write_shards(batches, batches[0].schema, str(tmp_path), 1)
     monkeypatch.setenv(DATA_FILE_ENV, shard.path)
     monkeypatch.setenv(EPOCH_ROWS_ENV, "3")
     with pytest.raises(DataError, match=r"'emb'.*length 2 and 3"):
         list(data.partition_loader(2))
     inside = pa.record_batch([pa.array([[1.0], [2.0, 3.0]])], names=["emb"])
-    (shard,) = data.write_shards([inside], inside.schema, str(tmp_path / "b"), 1)
+    (shard,) = shard_format.write_shards([inside], inside.schema, str(tmp_path / "b"), 1)
     monkeypatch.setenv(DATA_FILE_ENV, shard.path)
     with pytest.raises(DataError, match=r"'emb'.*different lengths"):
         list(data.partition_loader(2))
@@ -448,7 +449,7 @@ def test_nulls_become_nan_in_floats_and_an_error_elsewhere(
     batch = pa.record_batch(
         [pa.array([1.0, None], pa.float32()), pa.array([1, None], pa.int64())], names=["f", "i"]
     )
-    (shard,) = data.write_shards([batch], batch.schema, str(tmp_path), 1)
+    (shard,) = shard_format.write_shards([batch], batch.schema, str(tmp_path), 1)
     monkeypatch.setenv(DATA_FILE_ENV, shard.path)
     monkeypatch.setenv(EPOCH_ROWS_ENV, "2")
     (got,) = list(data.partition_loader(2, columns=["f"]))
@@ -458,7 +459,7 @@ def test_nulls_become_nan_in_floats_and_an_error_elsewhere(
 
 
 def test_an_empty_shard_in_a_nonempty_run_is_an_error(tmp_path: Path, monkeypatch: Any) -> None:
-    written = data.write_shards(make_batches((1,)), SCHEMA, str(tmp_path), 2)
+    written = shard_format.write_shards(make_batches((1,)), SCHEMA, str(tmp_path), 2)
     monkeypatch.setenv(DATA_FILE_ENV, written[1].path)
     monkeypatch.setenv(EPOCH_ROWS_ENV, "1")
     with pytest.raises(DataError, match="fewer rows than ranks"):
@@ -514,7 +515,7 @@ def test_reading_a_shard_does_not_import_pandas(shards: list[ShardFile]) -> None
         "for batch in data.get_spark_partition_data_loader(600, 64, num_workers=0): pass\n"
         "print(sorted(m for m in ('pandas', 'pyspark') if m in sys.modules))\n"
     )
-    env = dict(os.environ, **data.rank_env(shards[0].path, "", 501))
+    env = dict(os.environ, **shard_format.rank_env(shards[0].path, "", 501))
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
@@ -528,6 +529,7 @@ MEMORY_SCRIPT = textwrap.dedent(
     import json, os, sys
     import numpy as np, pyarrow as pa, psutil
     from sparktorch_ops import data
+    from sparktorch_ops.data import shards as shard_format
 
     rows, width, directory = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     schema = pa.schema([(f"f{i}", pa.float32()) for i in range(width)])
@@ -538,8 +540,8 @@ MEMORY_SCRIPT = textwrap.dedent(
             block = rng.random((min(50_000, rows - start), width), dtype=np.float32)
             yield pa.record_batch([pa.array(block[:, i]) for i in range(width)], schema=schema)
 
-    (shard,) = data.write_shards(batches(), schema, directory, 1)
-    os.environ.update(data.rank_env(shard.path, "", shard.rows))
+    (shard,) = shard_format.write_shards(batches(), schema, directory, 1)
+    os.environ.update(shard_format.rank_env(shard.path, "", shard.rows))
     process = psutil.Process()
     out = {"file_bytes": os.path.getsize(shard.path)}
     for shuffle in (False, True):

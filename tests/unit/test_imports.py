@@ -18,7 +18,7 @@ def test_core_imports_with_frameworks_blocked() -> None:
     code = BLOCKER + (
         "import sparktorch_ops\n"
         "from sparktorch_ops import TorchDistributor, report, ConfigError, RunResult\n"
-        "import sparktorch_ops.distributor, sparktorch_ops.cli, sparktorch_ops.barrier\n"
+        "import sparktorch_ops.distributor, sparktorch_ops.cli, sparktorch_ops.node.task\n"
         "from sparktorch_ops import DeepspeedTorchDistributor, lightning_trainer_kwargs\n"
         "TorchDistributor(num_processes=2, local_mode=True, use_gpu=False)\n"
         "DeepspeedTorchDistributor(numGpus=2, useGpu=False)\n"

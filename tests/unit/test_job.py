@@ -16,10 +16,10 @@ from sparktorch_ops.errors import (
 )
 from sparktorch_ops.job import CancelToken, TrainingJob, build_job
 from sparktorch_ops.outcome import outcome_of
-from sparktorch_ops.payload import FunctionCall, Script
 from sparktorch_ops.results import RankFailure
-from sparktorch_ops.spark import SparkSettings
+from sparktorch_ops.spark.session import SparkSettings
 from sparktorch_ops.spec import LaunchSpec
+from sparktorch_ops.wire.payload import FunctionCall, Script
 
 
 def train(a: int, b: int = 0) -> int:

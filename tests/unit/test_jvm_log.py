@@ -1,4 +1,4 @@
-"""Reading the Spark JVM's console lines into log levels (sparktorch_ops.jvm_log.parse_line)."""
+"""Reading the Spark JVM's console lines into log levels (sparktorch_ops.spark.jvm_log.parse_line)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from sparktorch_ops.jvm_log import JvmLine, parse_line
+from sparktorch_ops.spark.jvm_log import JvmLine, parse_line
 
 pytestmark = pytest.mark.unit
 

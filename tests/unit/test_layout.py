@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparktorch_ops.dataframe import partition_keys, spark_hash_int
+from sparktorch_ops.spark.dataframe import partition_keys, spark_hash_int
 
 pytestmark = pytest.mark.unit
 

@@ -13,8 +13,7 @@ from pathlib import Path
 import pendulum
 import pytest
 
-from sparktorch_ops import channel, messages
-from sparktorch_ops.collector import (
+from sparktorch_ops.driver.collector import (
     MAX_METRIC_RECORDS,
     TAIL_CHARS,
     TAIL_LINE_CHARS,
@@ -29,15 +28,13 @@ from sparktorch_ops.errors import (
     SparkJobKilledError,
     TrainingCancelledError,
 )
-from sparktorch_ops.launchers import _cancelled_by_spark, _summarize
-from sparktorch_ops.messages import Hello
+from sparktorch_ops.launchers.barrier import _cancelled_by_spark, _summarize
+from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
 from sparktorch_ops.outcome import EXIT_INTERRUPTED, outcome_of
 from sparktorch_ops.results import OUTPUT_CUT_NOTE, MetricRecord, RunResult
-from sparktorch_ops.spec import (
-    DEFAULT_MAX_RESULT_BYTES,
-    LOCAL_PROCESSES_PER_CPU,
-    LaunchSpec,
-)
+from sparktorch_ops.spec import LOCAL_PROCESSES_PER_CPU, LaunchSpec
+from sparktorch_ops.wire import channel, messages
+from sparktorch_ops.wire.messages import Hello
 from tests.support.blocking import INTEGRATIONS, blocker_source
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -211,7 +208,7 @@ org.apache.spark.api.python.PythonException: [PYTHON_EXCEPTION] An exception was
 the Python worker: Traceback (most recent call last):
   File "/x/pyspark/worker.py", line 4327, in invoke_udf
     run_process()
-  File "/x/sparktorch_ops/barrier.py", line 140, in _run_agent
+  File "/x/sparktorch_ops/node/task.py", line 140, in _run_agent
     handle.write(source)
 OSError: [Errno 28] No space left on device
  SQLSTATE: 38000
@@ -232,7 +229,7 @@ def test_a_failed_task_is_summarised_with_its_python_exception() -> None:
     head, detail = _summarize(RuntimeError("unused"), TASK_FAILED)
     assert head.startswith("Job aborted due to stage failure: Could not recover")
     assert head.endswith("... OSError: [Errno 28] No space left on device")
-    assert "barrier.py" in detail and "\tat " not in detail
+    assert "node/task.py" in detail and "\tat " not in detail
     assert not _cancelled_by_spark(TASK_FAILED)
 
 

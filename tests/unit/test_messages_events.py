@@ -8,7 +8,7 @@ import pytest
 
 from sparktorch_ops import events
 from sparktorch_ops.events import InvalidTransition, PhaseEvent, RunState, RunStateMachine
-from sparktorch_ops.messages import (
+from sparktorch_ops.wire.messages import (
     ExitReport,
     FailureReport,
     Hello,

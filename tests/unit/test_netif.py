@@ -8,15 +8,9 @@ from typing import NamedTuple
 import psutil
 import pytest
 
-from sparktorch_ops import netif
-from sparktorch_ops.netif import (
-    GLOO_IFNAME_ENV,
-    NCCL_IFNAME_ENV,
-    first_interface,
-    interface_for,
-    node_socket_env,
-    socket_env,
-)
+from sparktorch_ops.node import netif
+from sparktorch_ops.node.netif import first_interface, interface_for, node_socket_env, socket_env
+from sparktorch_ops.wire.env import GLOO_IFNAME_ENV, NCCL_IFNAME_ENV
 
 AF_LINK = psutil.AF_LINK
 

@@ -18,13 +18,12 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
+from sparktorch_ops.driver.packing import pickle_call, prepare
 from sparktorch_ops.errors import ConfigError
-from sparktorch_ops.payload import (
+from sparktorch_ops.wire.payload import (
     FunctionCall,
     Script,
     materialize,
-    pickle_call,
-    prepare,
     read_rank_payload,
     write_rank_payload,
 )

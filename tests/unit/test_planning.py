@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from sparktorch_ops import planning
+from sparktorch_ops.driver import planning
 from sparktorch_ops.errors import ConfigError, ResourceError
+from sparktorch_ops.wire import env as wire_env
+from sparktorch_ops.wire import plan as run_plan
 
 
 def test_local_agent_argv_is_exact() -> None:
@@ -22,13 +24,13 @@ def test_local_agent_argv_is_exact() -> None:
         extra_args=("--monitor-interval=0.5",),
     )
     assert argv == (
-        "/py", "-m", "sparktorch_ops.agent", "run1",
+        "/py", "-m", "sparktorch_ops.node.agent", "run1",
         "--nnodes=1", "--nproc-per-node=4", "--rdzv-backend=c10d",
         "--rdzv-endpoint=127.0.0.1:0", "--rdzv-id=run1", "--max-restarts=0",
         "--local-addr=127.0.0.1", "--run-path", "--start-method=fork",
         "--monitor-interval=0.5", planning.BOOTSTRAP_SCRIPT, "run1",
     )  # fmt: skip
-    assert planning.BOOTSTRAP_SCRIPT.endswith("/sparktorch_ops/bootstrap.py")
+    assert planning.BOOTSTRAP_SCRIPT.endswith("/sparktorch_ops/rank/bootstrap.py")
 
 
 def test_barrier_agent_argv_never_hosts_the_store_and_bounds_the_join() -> None:
@@ -45,7 +47,7 @@ def test_barrier_agent_argv_never_hosts_the_store_and_bounds_the_join() -> None:
         extra_args=(),
     )
     assert argv == (
-        "/py", "-m", "sparktorch_ops.agent", "r",
+        "/py", "-m", "sparktorch_ops.node.agent", "r",
         "--nnodes=3", "--nproc-per-node=2", "--rdzv-backend=c10d",
         "--rdzv-endpoint=10.0.0.5:41234", "--rdzv-id=r", "--max-restarts=2",
         "--local-addr=10.0.0.7", "--rdzv-conf=is_host=false,join_timeout=45",
@@ -54,7 +56,7 @@ def test_barrier_agent_argv_never_hosts_the_store_and_bounds_the_join() -> None:
 
 
 def test_agent_env_layers_user_env_and_run_settings() -> None:
-    env = planning.agent_env(
+    env = run_plan.agent_env(
         {"PATH": "/bin", "KEEP": "1"},
         {"MY_VAR": "x"},
         run_id="r",
@@ -72,12 +74,12 @@ def test_agent_env_layers_user_env_and_run_settings() -> None:
         "MY_VAR": "x",
         "OMP_NUM_THREADS": "4",
         "CUDA_VISIBLE_DEVICES": "2,3",
-        planning.RUN_ID_ENV: "r",
-        planning.CHANNEL_ENV: "127.0.0.1:5",
-        planning.SECRET_FILE_ENV: "/tmp/s",
-        planning.FINGERPRINT_ENV: "ab12",
-        planning.PAYLOAD_ENV: "/tmp/p",
-        planning.NODE_HOST_ENV: "h",
+        wire_env.RUN_ID_ENV: "r",
+        wire_env.CHANNEL_ENV: "127.0.0.1:5",
+        wire_env.SECRET_FILE_ENV: "/tmp/s",
+        wire_env.FINGERPRINT_ENV: "ab12",
+        wire_env.PAYLOAD_ENV: "/tmp/p",
+        wire_env.NODE_HOST_ENV: "h",
     }
 
 
@@ -85,7 +87,7 @@ def test_agent_env_layers_user_env_and_run_settings() -> None:
     ("base", "user"), [({}, {"OMP_NUM_THREADS": "3"}), ({"OMP_NUM_THREADS": "3"}, {})]
 )
 def test_an_omp_setting_already_there_wins(base: dict, user: dict) -> None:
-    env = planning.agent_env(
+    env = run_plan.agent_env(
         base,
         user,
         run_id="r",
@@ -115,9 +117,9 @@ def test_local_omp_threads_share_the_cores() -> None:
 
 
 def test_barrier_layout() -> None:
-    assert planning.barrier_layout(4, False, None) == planning.BarrierLayout(4, 1)
-    assert planning.barrier_layout(4, True, 2.0) == planning.BarrierLayout(2, 2)
-    assert planning.barrier_layout(3, True, 1.0) == planning.BarrierLayout(3, 1)
+    assert planning.barrier_layout(4, False, None) == run_plan.BarrierLayout(4, 1)
+    assert planning.barrier_layout(4, True, 2.0) == run_plan.BarrierLayout(2, 2)
+    assert planning.barrier_layout(3, True, 1.0) == run_plan.BarrierLayout(3, 1)
 
 
 def test_barrier_layout_rejects_missing_fractional_and_uneven_gpu_amounts() -> None:

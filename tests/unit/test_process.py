@@ -9,7 +9,7 @@ import time
 
 import psutil
 
-from sparktorch_ops.process import MAX_LINE_BYTES, LineSplitter, terminate_tree
+from sparktorch_ops.node.process import MAX_LINE_BYTES, LineSplitter, terminate_tree
 
 
 def test_invalid_utf8_is_replaced_not_fatal() -> None:
@@ -79,7 +79,7 @@ def _forked_child_report(code: str) -> dict[str, object]:
     """Run a ForkedChild in a fresh interpreter (forking pytest itself would copy its state)."""
     program = (
         "import json, os, signal, sys, time\n"
-        "from sparktorch_ops.process import ForkedChild\n" + code
+        "from sparktorch_ops.node.process import ForkedChild\n" + code
     )
     proc = subprocess.run(
         [sys.executable, "-c", program], capture_output=True, text=True, timeout=60

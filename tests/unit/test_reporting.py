@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from sparktorch_ops import channel
-from sparktorch_ops.reporting import install, report
+from sparktorch_ops.rank.reporting import install, report
+from sparktorch_ops.wire import channel
 
 TOKEN = "report-test-token"
 

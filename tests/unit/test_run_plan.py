@@ -6,18 +6,13 @@ import json
 
 import pytest
 
-from sparktorch_ops import planning
+from sparktorch_ops.driver import planning
+from sparktorch_ops.driver.planning import RunFacts, plan_run
 from sparktorch_ops.errors import ResourceError
-from sparktorch_ops.planning import (
-    NODE_HOST,
-    PAYLOAD_PATH,
-    RDZV_ENDPOINT,
-    TASK_GPUS,
-    UNKNOWN,
-    RunFacts,
-    plan_run,
-)
 from sparktorch_ops.spec import LaunchSpec
+from sparktorch_ops.wire import env as wire_env
+from sparktorch_ops.wire import plan as run_plan
+from sparktorch_ops.wire.plan import NODE_HOST, PAYLOAD_PATH, RDZV_ENDPOINT, TASK_GPUS, UNKNOWN
 
 FACTS = RunFacts(
     run_id="run1",
@@ -37,7 +32,7 @@ def test_local_plan_is_one_node_with_every_rank() -> None:
     assert (plan.mode, plan.layout.num_tasks, plan.layout.ranks_per_task) == ("local", 1, 4)
     assert node.ranks == (0, 1, 2, 3)
     assert node.argv == (
-        "/py", "-m", "sparktorch_ops.agent", "run1", "--nnodes=1", "--nproc-per-node=4",
+        "/py", "-m", "sparktorch_ops.node.agent", "run1", "--nnodes=1", "--nproc-per-node=4",
         "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--rdzv-id=run1",
         "--max-restarts=1", "--local-addr=127.0.0.1", "--run-path", "--start-method=fork",
         BOOT, "run1",
@@ -52,14 +47,14 @@ def test_local_plan_is_one_node_with_every_rank() -> None:
     assert agent.env == {
         "PATH": "/bin",
         "A": "1",
-        planning.RUN_ID_ENV: "run1",
-        planning.CHANNEL_ENV: "10.0.0.1:5000",
-        planning.SECRET_FILE_ENV: "/w/channel.secret",
-        planning.PAYLOAD_ENV: "/w/payload.pkl",
-        planning.NODE_HOST_ENV: "driver",
-        planning.LAUNCHER_PID_ENV: "42",
+        wire_env.RUN_ID_ENV: "run1",
+        wire_env.CHANNEL_ENV: "10.0.0.1:5000",
+        wire_env.SECRET_FILE_ENV: "/w/channel.secret",
+        wire_env.PAYLOAD_ENV: "/w/payload.pkl",
+        wire_env.NODE_HOST_ENV: "driver",
+        wire_env.LAUNCHER_PID_ENV: "42",
         "OMP_NUM_THREADS": "2",
-        planning.UNSHARED_STORE_ENV: "1",  # max_restarts=1
+        wire_env.UNSHARED_STORE_ENV: "1",  # max_restarts=1
     }
 
 
@@ -81,7 +76,7 @@ def test_barrier_plan_has_one_node_per_task_with_placeholders_bound_in_the_task(
     assert [n.ranks for n in plan.nodes] == [(0, 1), (2, 3)]
     node = plan.nodes[1]
     assert node.argv == (
-        "/py", "-m", "sparktorch_ops.agent", "r", "--nnodes=2", "--nproc-per-node=2",
+        "/py", "-m", "sparktorch_ops.node.agent", "r", "--nnodes=2", "--nproc-per-node=2",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={RDZV_ENDPOINT}", "--rdzv-id=r",
         "--max-restarts=0", f"--local-addr={NODE_HOST}", "--rdzv-conf=is_host=false,join_timeout=30",
         "--run-path", "--start-method=fork", BOOT, "r",
@@ -93,10 +88,10 @@ def test_barrier_plan_has_one_node_per_task_with_placeholders_bound_in_the_task(
     )  # fmt: skip
     assert "--rdzv-endpoint=w0:999" in agent.argv and "--local-addr=w2" in agent.argv
     assert agent.env["CUDA_VISIBLE_DEVICES"] == "0,1"
-    assert agent.env[planning.NODE_HOST_ENV] == "w2"
+    assert agent.env[wire_env.NODE_HOST_ENV] == "w2"
     assert agent.env["OMP_NUM_THREADS"] == "3"  # the node's own setting wins
-    assert agent.env[planning.FINGERPRINT_ENV] == "f1"
-    assert agent.env[planning.SECRET_FILE_ENV] == "/s"
+    assert agent.env[wire_env.FINGERPRINT_ENV] == "f1"
+    assert agent.env[wire_env.SECRET_FILE_ENV] == "/s"
     with pytest.raises(ValueError, match="unfilled placeholder"):
         node.bind(
             {}, run_id="r", channel="d:1", fingerprint=None, payload_path="/p",
@@ -115,9 +110,9 @@ def test_dry_run_view_is_json_and_never_holds_the_secret() -> None:
     view = plan_run(spec, "train.py --lr=1 (script)", FACTS).to_dict()
     text = json.dumps(view)
     assert view["nodes_count"] == 2 and view["payload"] == "train.py --lr=1 (script)"
-    assert view["nodes"][0]["env"][planning.SECRET_FILE_ENV] == planning.SECRET_PATH
-    assert planning.FINGERPRINT_ENV not in view["nodes"][0]["env"] and not view["channel_tls"]
-    assert view["nodes"][0]["env"][planning.PAYLOAD_ENV] == PAYLOAD_PATH
+    assert view["nodes"][0]["env"][wire_env.SECRET_FILE_ENV] == run_plan.SECRET_PATH
+    assert wire_env.FINGERPRINT_ENV not in view["nodes"][0]["env"] and not view["channel_tls"]
+    assert view["nodes"][0]["env"][wire_env.PAYLOAD_ENV] == PAYLOAD_PATH
     assert view["nodes"][1]["env"]["X"] == "y"
     assert PAYLOAD_PATH in view["placeholders"]
     assert json.loads(text) == view
@@ -126,17 +121,17 @@ def test_dry_run_view_is_json_and_never_holds_the_secret() -> None:
 def test_bind_fills_placeholders_even_over_a_nested_runs_variables() -> None:
     spec = LaunchSpec(num_processes=2, local_mode=False, use_gpu=False)
     node = plan_run(spec, "f", FACTS).nodes[0]
-    outer = {planning.PAYLOAD_ENV: "/outer/payload.pkl", planning.NODE_HOST_ENV: "outer"}
+    outer = {wire_env.PAYLOAD_ENV: "/outer/payload.pkl", wire_env.NODE_HOST_ENV: "outer"}
     agent = node.bind(
         outer, run_id="run1", channel="d:1", fingerprint=None, payload_path="/p",
         secret_path="/s", launcher_pid=1, host="w0", rdzv_endpoint="w0:1",
     )  # fmt: skip
-    assert agent.env[planning.PAYLOAD_ENV] == "/p" and agent.env[planning.NODE_HOST_ENV] == "w0"
+    assert agent.env[wire_env.PAYLOAD_ENV] == "/p" and agent.env[wire_env.NODE_HOST_ENV] == "w0"
 
 
 def test_checkpoint_options_and_restarts_reach_every_rank_env() -> None:
-    from sparktorch_ops.checkpoint import CHECKPOINT_DIR_ENV, WARM_START_ENV
-    from sparktorch_ops.planning import UNSHARED_STORE_ENV, run_env
+    from sparktorch_ops.driver.planning import run_env
+    from sparktorch_ops.wire.env import CHECKPOINT_DIR_ENV, UNSHARED_STORE_ENV, WARM_START_ENV
 
     spec = LaunchSpec(checkpoint_dir="file:///shared/ck", max_restarts=1, env={"A": "1"})
     assert run_env(spec) == {

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from sparktorch_ops import planning
-from sparktorch_ops import spark as spark_support
+from sparktorch_ops.driver import planning
 from sparktorch_ops.errors import ConfigError
-from sparktorch_ops.spark import SparkSettings, parse_master
+from sparktorch_ops.spark import session as spark_support
+from sparktorch_ops.spark.session import SparkSettings, parse_master
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from sparktorch_ops import ConfigError
-from sparktorch_ops.planning import agent_env
+from sparktorch_ops.driver.tracking import loggable_params, run_url
 from sparktorch_ops.spec import LaunchSpec
-from sparktorch_ops.tracking import loggable_params, run_url, strip_tracking_env
+from sparktorch_ops.wire.env import strip_tracking_env
+from sparktorch_ops.wire.plan import agent_env
 
 pytestmark = pytest.mark.unit
 

@@ -9,13 +9,9 @@ import textwrap
 import psutil
 import pytest
 
-from sparktorch_ops.forkserver import (
-    MARKER_SLOT_CHARS,
-    WARM_PROCESS_ENV,
-    command_line_room,
-    slot_value,
-)
-from sparktorch_ops.warm import WARM_AGENT_ENV, import_environment, warm_enabled
+from sparktorch_ops.node.forkserver import MARKER_SLOT_CHARS, command_line_room, slot_value
+from sparktorch_ops.node.warm import import_environment, warm_enabled
+from sparktorch_ops.wire.env import WARM_AGENT_ENV, WARM_PROCESS_ENV
 
 pytestmark = pytest.mark.unit
 
@@ -56,10 +52,10 @@ def test_the_marker_slot_holds_any_run_marker() -> None:
 
 REWRITE = """
 import sys, time
-from sparktorch_ops.forkserver import rewrite_command_line, rewrite_marker
+from sparktorch_ops.node.forkserver import rewrite_command_line, rewrite_marker
 assert rewrite_marker("SPARKTORCH_OPS_RUN_ID=sparktorch-feed")
-assert rewrite_command_line([sys.executable, "-m", "sparktorch_ops.agent", "sparktorch-feed"])
-too_long = ["x" * 5000, "-m", "sparktorch_ops.agent", "sparktorch-feed"]
+assert rewrite_command_line([sys.executable, "-m", "sparktorch_ops.node.agent", "sparktorch-feed"])
+too_long = ["x" * 5000, "-m", "sparktorch_ops.node.agent", "sparktorch-feed"]
 assert not rewrite_command_line(too_long)
 print("done", flush=True)
 time.sleep(30)
@@ -69,7 +65,7 @@ time.sleep(30)
 def test_a_forked_agent_shows_its_runs_marker_and_command_line() -> None:
     """What ``ps`` and ``/proc`` show of the process after the rewrite (a plain process
     started like the fork server: padded last environment entry and command line)."""
-    argv = [sys.executable, "-m", "sparktorch_ops.agent", "sparktorch-feed"]
+    argv = [sys.executable, "-m", "sparktorch_ops.node.agent", "sparktorch-feed"]
     env = {"PATH": "/usr/bin:/bin", "KEEP": "kept", WARM_PROCESS_ENV: slot_value("1-x")}
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(REWRITE), command_line_room(argv)],
@@ -93,7 +89,7 @@ def test_a_forked_agent_shows_its_runs_marker_and_command_line() -> None:
 
 PACE = """
 import sys
-from sparktorch_ops.agent import _poll_rendezvous_sooner
+from sparktorch_ops.node.agent import _poll_rendezvous_sooner
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as r
 original = r._delay
 _poll_rendezvous_sooner(sys.argv[1:])

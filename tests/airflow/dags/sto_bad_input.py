@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import datetime
+import sys
+from pathlib import Path
 
 import pendulum
 from airflow.sdk import DAG
 
+from sparktorch_ops import options
 from sparktorch_ops.airflow import TorchDistributorOperator
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository (a symlink here)
+from tests.support.launch_options import BAD
 
 
 def never_runs() -> None:
@@ -57,3 +63,11 @@ with DAG(
         input_table="events",
         use_gpu=False,
     )
+    # One task per launch option, each with a value the job refuses: the operator passes every
+    # option on (the task fails naming it).
+    for option in options.on("operator"):
+        TorchDistributorOperator(
+            task_id=f"bad_{option.name}",
+            train=never_runs,
+            **{"use_gpu": False, option.name: BAD[option.name]},
+        )

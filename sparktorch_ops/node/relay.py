@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from sparktorch_ops import channel
-from sparktorch_ops.messages import Hello
+from sparktorch_ops.wire import channel
+from sparktorch_ops.wire.messages import Hello
 
 #: Pseudo frame kinds in a relay's record (real frame kinds are never negative).
 HELLO_RECORD = -1
@@ -79,7 +79,7 @@ class Relay:
         self._spool = open(spool_path, "wb")  # noqa: SIM115 (closed by close())
         self._recorder = _Recorder(self._spool)
         self._server = channel.ChannelServer(
-            "127.0.0.1", self._recorder, logging.getLogger("sparktorch_ops.relay"), secret
+            "127.0.0.1", self._recorder, logging.getLogger("sparktorch_ops.node.relay"), secret
         )
         self.address = self._server.address
 

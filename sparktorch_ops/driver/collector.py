@@ -28,9 +28,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparktorch_ops import channel, events
+from sparktorch_ops import events
 from sparktorch_ops.errors import ResultTooLargeError
-from sparktorch_ops.messages import (
+from sparktorch_ops.results import OUTPUT_CUT_NOTE, MetricRecord, RankFailure
+from sparktorch_ops.wire import channel
+from sparktorch_ops.wire.messages import (
     DATA,
     EXIT,
     FAILURE,
@@ -50,7 +52,6 @@ from sparktorch_ops.messages import (
     ResultEnd,
     ShardSizes,
 )
-from sparktorch_ops.results import OUTPUT_CUT_NOTE, MetricRecord, RankFailure
 
 TAIL_LINES = 200
 TAIL_CHARS = 256 << 10  # per rank (and for the agents' output)
@@ -412,7 +413,7 @@ class RunCollector(channel.ChannelHandler):
             log.handle(log.makeRecord(log.name, level, __file__, 0, "%s %s", (prefix, line), None))
 
     def agent_output(self, node: int, host: str, stderr: bool) -> Callable[[list[str]], None]:
-        """An ``emit`` for :func:`~sparktorch_ops.process.pump_lines` of a local agent."""
+        """An ``emit`` for :func:`~sparktorch_ops.node.process.pump_lines` of a local agent."""
         kind = STDERR if stderr else STDOUT
 
         def emit(lines: list[str]) -> None:

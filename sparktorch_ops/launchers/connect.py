@@ -22,20 +22,20 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sparktorch_ops import channel
-from sparktorch_ops.barrier import STAGE_DDL, BarrierTask, TaskReport, stage_row_item, stage_rows
-from sparktorch_ops.dataframe import PreparedInput
 from sparktorch_ops.errors import ConfigError
-from sparktorch_ops.launchers import BarrierLauncher
-from sparktorch_ops.payload import Payload
-from sparktorch_ops.planning import RunPlan
-from sparktorch_ops.relay import RelayedFrame, Replayer
-from sparktorch_ops.spark import (
+from sparktorch_ops.launchers.barrier import BarrierLauncher
+from sparktorch_ops.node.relay import RelayedFrame, Replayer
+from sparktorch_ops.node.task import STAGE_DDL, BarrierTask, TaskReport, stage_row_item, stage_rows
+from sparktorch_ops.spark.dataframe import PreparedInput
+from sparktorch_ops.spark.session import (
     conf_value,
     connect_endpoint,
     connect_server_reachable,
     parse_master,
 )
+from sparktorch_ops.wire import channel
+from sparktorch_ops.wire.payload import Payload
+from sparktorch_ops.wire.plan import RunPlan
 
 #: How long a Connect run waits for its barrier tasks to start when ``start_timeout`` is unset
 #: (Spark itself would retry a stage that lacks slots for about 10 minutes).

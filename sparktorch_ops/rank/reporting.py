@@ -9,8 +9,8 @@ import time
 import warnings
 from typing import Any
 
-from sparktorch_ops import channel
-from sparktorch_ops.messages import MetricReport
+from sparktorch_ops.wire import channel
+from sparktorch_ops.wire.messages import MetricReport
 
 _lock = threading.Lock()
 _client: channel.ChannelClient | None = None

@@ -17,7 +17,7 @@ log lines, metrics, result bytes, exit and failure records. Besides the handshak
 writes only the rendezvous port; it closes connections to tell clients that the run is over, and
 every client treats end-of-file as "the driver is gone: stop". TCP keepalive on both ends notices
 a vanished host within about a minute. When Spark's encryption is on, every connection is TLS
-with the run's pinned certificate (:mod:`sparktorch_ops.tls`).
+with the run's pinned certificate (:mod:`sparktorch_ops.wire.tls`).
 
 Frame: 1 byte kind, 4 bytes big-endian length, payload. Anything one connection sends that
 cannot be handled closes that connection only.
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparktorch_ops.errors import ChannelError
-from sparktorch_ops.messages import (
+from sparktorch_ops.wire.messages import (
     CHALLENGE,
     HELLO,
     RESULT_CHUNK,
@@ -98,7 +98,7 @@ def set_keepalive(sock: socket.socket) -> None:
 def write_secret_file(directory: str, secret: str) -> str:
     """Write the run's secret to a new file only this user can read; returns its path.
 
-    Ranks read it from there (see :data:`~sparktorch_ops.planning.SECRET_FILE_ENV`), so it is
+    Ranks read it from there (see :data:`~sparktorch_ops.wire.env.SECRET_FILE_ENV`), so it is
     never in an environment that user code may print.
     """
     path = os.path.join(directory, "channel.secret")
@@ -571,7 +571,7 @@ class ChannelClient:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         set_keepalive(sock)
         if fingerprint is not None:
-            from sparktorch_ops import tls
+            from sparktorch_ops.wire import tls
 
             try:
                 sock = tls.client_context().wrap_socket(sock)

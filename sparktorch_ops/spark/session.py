@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sparktorch_ops import jvm_log
+from sparktorch_ops.driver.planning import check_slots, registration_grace
 from sparktorch_ops.errors import ConfigError, StartTimeoutError
-from sparktorch_ops.planning import check_slots, registration_grace
+from sparktorch_ops.spark import jvm_log
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
@@ -255,7 +255,7 @@ def get_session(settings: SparkSettings, log: Any = None) -> SessionHandle:
     started here has Spark's console progress bar off and, on an in-process master, the driver
     on loopback; when it starts the JVM, the JVM's console output (log4j lines, its own
     warnings, Python workers' prints) becomes records of ``log`` at Spark's levels instead of
-    raw stderr (:mod:`sparktorch_ops.jvm_log`), and stays routed to the latest run's logger.
+    raw stderr (:mod:`sparktorch_ops.spark.jvm_log`), and stays routed to the latest run's logger.
 
     Raises:
         ConfigError: the session could not start.
@@ -613,7 +613,7 @@ def probe_executors(sc: SparkContext, num_tasks: int) -> list[dict[str, Any]]:
     """
     from pyspark import cloudpickle as spark_cloudpickle
 
-    from sparktorch_ops import _probe
+    from sparktorch_ops.node import probe as _probe
 
     executors = (sc.applicationId, str(sc._jsc.sc().getExecutorIds().toString()))
     if executors in _PROBED:

@@ -1,7 +1,7 @@
 """Starting a run's torchrun agent from a warm process (DESIGN section 9), else cold.
 
 A launcher (the driver in local mode, each barrier task's Spark Python worker) keeps one warm
-agent per interpreter, :mod:`sparktorch_ops.forkserver`, started with its first run and reused
+agent per interpreter, :mod:`sparktorch_ops.node.forkserver`, started with its first run and reused
 by the later ones while it lives: each run's agent is forked from it with torch already
 imported, instead of starting an interpreter and importing torch (1.4 s locally, 2.4 s per task
 in barrier mode on 2 cores). The fork server never runs a run's code, so runs cannot see each
@@ -33,18 +33,17 @@ from typing import Any
 
 import psutil
 
-from sparktorch_ops.data import DATA_FILE_ENV, SCHEMA_FILE_ENV
-from sparktorch_ops.forkserver import WARM_PROCESS_ENV, command_line_room, slot_value
-from sparktorch_ops.process import AgentProcess, pump_lines, terminate_tree
+from sparktorch_ops.node.forkserver import command_line_room, slot_value
+from sparktorch_ops.node.process import AgentProcess, pump_lines, terminate_tree
+from sparktorch_ops.wire.env import PER_RUN_VARIABLES, WARM_AGENT_ENV, WARM_PROCESS_ENV
 
 #: ``0`` (or ``false``/``no``/``off``) in the launcher's environment: start every agent cold.
-WARM_AGENT_ENV = "SPARKTORCH_OPS_WARM_AGENT"
 # How long a run waits for the warm process to fork its agent (its first run includes the
 # imports, which a cold agent would pay the same); past it, the run starts a cold agent.
 _FORK_TIMEOUT_S = 120.0
-# A run's own variables, which the warm process's imports never read.
-_PER_RUN_PREFIXES = ("SPARKTORCH_",)
-_PER_RUN_NAMES = frozenset({DATA_FILE_ENV, SCHEMA_FILE_ENV})
+# Our own variables, which the warm process's imports never read: those of a run, and any
+# other SPARKTORCH_* a caller sets for its own code.
+_OWN_PREFIX = "SPARKTORCH_"
 
 _log = logging.getLogger(__name__)
 
@@ -62,9 +61,7 @@ def warm_enabled(environ: dict[str, str] | os._Environ[str] = os.environ) -> boo
 def import_environment(env: dict[str, str]) -> dict[str, str]:
     """The part of an agent's environment that its imports may read: all but the run's own."""
     return {
-        k: v
-        for k, v in env.items()
-        if not k.startswith(_PER_RUN_PREFIXES) and k not in _PER_RUN_NAMES
+        k: v for k, v in env.items() if not k.startswith(_OWN_PREFIX) and k not in PER_RUN_VARIABLES
     }
 
 
@@ -83,7 +80,7 @@ class WarmServer:
                 [
                     python,
                     "-m",
-                    "sparktorch_ops.forkserver",
+                    "sparktorch_ops.node.forkserver",
                     str(theirs.fileno()),
                     str(os.getpid()),
                     command_line_room(room_for),
@@ -179,7 +176,8 @@ class WarmServer:
 
 class ForkedAgent:
     """A run's agent forked by a :class:`WarmServer`: the surface of
-    :class:`~sparktorch_ops.process.AgentProcess` (the server, its parent, reports its exit)."""
+    :class:`~sparktorch_ops.node.process.AgentProcess` (the server, its parent, reports its
+    exit)."""
 
     def __init__(
         self,

@@ -1,9 +1,10 @@
-"""Code shipping: what a rank runs, packed on the driver and unpacked where the rank runs.
+"""Code shipping on the driver: what a rank runs, checked and packed.
 
 Functions travel with cloudpickle. A function whose module the ranks cannot import (``__main__``,
 an Airflow DAG file, a Prefect flow file, a test file: anything outside site-packages and the
 standard library) is pickled by value, together with the other such modules it references.
-Scripts travel as their bytes, so they need not exist on the executors.
+Scripts travel as their bytes, so they need not exist on the executors
+(:mod:`sparktorch_ops.wire.payload`).
 """
 
 from __future__ import annotations
@@ -18,41 +19,17 @@ import threading
 import types
 from collections import ChainMap
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import cloudpickle
 
 from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.wire.payload import FunctionCall, Payload, Script
 
 _REGISTRY_LOCK = threading.Lock()
 _MAX_BY_VALUE_MODULES = 64
-
-
-@dataclass(frozen=True)
-class FunctionCall:
-    """A pickled ``fn(*args, **kwargs)``.
-
-    Attributes:
-        data: the pickle.
-        name: the function's qualified name (for logs and plans).
-    """
-
-    data: bytes = field(repr=False)
-    name: str = "<function>"
-
-
-@dataclass(frozen=True)
-class Script:
-    """A script and its argv, with its bytes so it can run where it does not exist."""
-
-    driver_path: str
-    source: bytes = field(repr=False)
-    argv: tuple[str, ...]
-
-
-Payload = FunctionCall | Script
 
 
 @dataclass(frozen=True)
@@ -230,36 +207,3 @@ def _user_modules(fn: Any) -> list[types.ModuleType]:
             if isinstance(value, (types.ModuleType, types.FunctionType, type)):
                 visit(value)
     return found
-
-
-def materialize(payload: Payload, directory: str, *, in_place: bool) -> dict[str, Any]:
-    """The record a rank reads: the call's bytes, or a script path valid on this node.
-
-    ``in_place`` (local mode) runs the script where it is, so its sibling imports and relative
-    paths behave as under torchrun; otherwise (barrier mode) its bytes are written into
-    ``directory`` so it runs where it does not exist.
-    """
-    if isinstance(payload, FunctionCall):
-        return {"kind": "function", "data": payload.data}
-    path = payload.driver_path
-    if not in_place:
-        path = os.path.join(directory, os.path.basename(payload.driver_path))
-        with open(path, "wb") as handle:
-            handle.write(payload.source)
-    return {"kind": "script", "path": path, "argv": list(payload.argv)}
-
-
-def write_rank_payload(payload: Payload, directory: str, *, in_place: bool) -> str:
-    """Write the rank's record into ``directory``; return the file's path."""
-    record = materialize(payload, directory, in_place=in_place)
-    path = os.path.join(directory, "payload.pkl")
-    with open(path, "wb") as handle:
-        pickle.dump(record, handle)
-    return path
-
-
-def read_rank_payload(path: str) -> dict[str, Any]:
-    """Read the record written by :func:`write_rank_payload`."""
-    with open(path, "rb") as handle:
-        record: dict[str, Any] = pickle.load(handle)
-    return record

@@ -8,9 +8,9 @@ naming the column: an empty input, a type that cannot become a tensor, ragged ar
 Barrier mode lays the DataFrame out in ``tasks`` partitions of equal size (to within one row;
 :meth:`PreparedInput.laid_out`) and runs ``mapInArrow(..., barrier=True)`` over them: each
 barrier task receives its partition as Arrow record batches and writes one shard per rank
-(:func:`sparktorch_ops.data.write_shards`). Local mode streams the DataFrame to the driver one
-partition at a time (:func:`stream_batches`) and writes the shards there. Ranks read their shard
-with :mod:`sparktorch_ops.data`.
+(:func:`~sparktorch_ops.data.shards.write_shards`). Local mode streams the DataFrame to the
+driver one partition at a time (:func:`stream_batches`) and writes the shards there. Ranks read
+their shard with :mod:`sparktorch_ops.data`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sparktorch_ops.errors import ConfigError
-from sparktorch_ops.spark import sql_functions
+from sparktorch_ops.spark.session import sql_functions
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -154,7 +154,7 @@ def inspect_input(dataframe: DataFrame) -> InputFacts:
     from pyspark.sql.pandas.types import to_arrow_schema
     from pyspark.sql.types import ArrayType
 
-    from sparktorch_ops import data
+    from sparktorch_ops.data import shards
 
     check_dataframe(dataframe)
     F = sql_functions(dataframe)
@@ -163,7 +163,7 @@ def inspect_input(dataframe: DataFrame) -> InputFacts:
         arrow_schema = to_arrow_schema(schema)
     except Exception as exc:  # a type Arrow cannot carry at all
         raise ConfigError("dataframe", f"its schema cannot travel as Arrow: {exc}") from exc
-    problems = data.tensor_problems(arrow_schema)
+    problems = shards.tensor_problems(arrow_schema)
     if problems:
         name, why = next(iter(problems.items()))
         raise ConfigError(

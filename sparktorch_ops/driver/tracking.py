@@ -14,8 +14,8 @@ becomes its parent), and logs to it from the driver only:
   the run's status (``FINISHED``, ``FAILED`` or ``KILLED`` for a cancelled run).
 
 The ranks never talk to MLflow: the tracking URI and credentials (``MLFLOW_TRACKING_*``) are
-removed from their environment (:func:`strip_tracking_env`). The tracking URI is
-``mlflow_tracking_uri=``, else ``MLFLOW_TRACKING_URI``, else MLflow's default.
+removed from their environment (:func:`~sparktorch_ops.wire.env.strip_tracking_env`). The
+tracking URI is ``mlflow_tracking_uri=``, else ``MLFLOW_TRACKING_URI``, else MLflow's default.
 mlflow is imported only when tracking is on (extra ``sparktorch_ops[mlflow]``).
 """
 
@@ -31,17 +31,10 @@ from typing import Any
 
 from sparktorch_ops.errors import ConfigError
 
-# Environment variables that would let a rank reach the tracking server (never sent there).
-TRACKING_ENV_PREFIXES = ("MLFLOW_TRACKING_", "DATABRICKS_")
 _PARAM_VALUE_LIMIT = 6000  # MLflow's limit on a param value
 _BATCH_LIMIT = 1000  # MLflow's limit on metrics per log_batch
 _PARAMS_PER_BATCH = 100  # and on params
 _FLUSH_S = 0.5
-
-
-def strip_tracking_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` without the tracking URI and credentials: ranks never talk to MLflow."""
-    return {k: v for k, v in env.items() if not k.startswith(TRACKING_ENV_PREFIXES)}
 
 
 def loggable_params(train: str, args: Any, kwargs: Mapping[str, Any], spec: Any) -> dict[str, str]:

@@ -21,17 +21,14 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from sparktorch_ops import channel, netif
-from sparktorch_ops.data import (
-    DATA_DIR_ENV,
-    EPOCH_ROWS_ENV,
-    SCHEMA_FILE_ENV,
-    ShardFile,
-    shard_name,
-    write_schema_file,
-    write_shards,
-)
-from sparktorch_ops.messages import (
+from sparktorch_ops.data.shards import ShardFile, shard_name, write_schema_file, write_shards
+from sparktorch_ops.node import netif
+from sparktorch_ops.node.process import marked_processes, terminate_processes
+from sparktorch_ops.node.relay import Relay, RelayedFrame
+from sparktorch_ops.node.warm import after_run, start_agent
+from sparktorch_ops.wire import channel
+from sparktorch_ops.wire.env import DATA_DIR_ENV, EPOCH_ROWS_ENV, RUN_ID_ENV, SCHEMA_FILE_ENV
+from sparktorch_ops.wire.messages import (
     DATA,
     RDZV,
     STDERR,
@@ -42,11 +39,8 @@ from sparktorch_ops.messages import (
     RendezvousPort,
     ShardSizes,
 )
-from sparktorch_ops.payload import Payload, write_rank_payload
-from sparktorch_ops.planning import RUN_ID_ENV, RunPlan
-from sparktorch_ops.process import marked_processes, terminate_processes
-from sparktorch_ops.relay import Relay, RelayedFrame
-from sparktorch_ops.warm import after_run, start_agent
+from sparktorch_ops.wire.payload import Payload, write_rank_payload
+from sparktorch_ops.wire.plan import RunPlan
 
 _STORE_HOLD_S = 60.0
 #: How long a task that coordinates in the stage tries to reach the driver's channel before
@@ -106,7 +100,7 @@ class TaskReport:
         exit_code: its agent's exit code (None when the agent never ran or was stopped).
         error: why the task could not run its agent, if so.
         unreachable: why the task could not reach the driver's channel, when it relayed its
-            ranks' frames with its result instead (:mod:`sparktorch_ops.relay`).
+            ranks' frames with its result instead (:mod:`sparktorch_ops.node.relay`).
     """
 
     node: int
@@ -131,7 +125,7 @@ class BarrierTask:
     ``coordinate_in_stage`` (Spark Connect, whose client the executors may not reach) they
     agree on both among themselves (one ``allGather``); a task that cannot reach the driver's
     channel within :data:`REACH_TIMEOUT_S` serves its ranks with a
-    :class:`~sparktorch_ops.relay.Relay` and yields the recorded frames after its report. When
+    :class:`~sparktorch_ops.node.relay.Relay` and yields the recorded frames after its report. When
     any task relays, the tasks also stop each other's agents (:class:`StopSignal`) and wait for
     each other at a final ``barrier()`` instead of the driver.
     """

@@ -1,11 +1,11 @@
 """The warm agent: a process that has imported torch and forks each run's torchrun agent.
 
-Started by :mod:`sparktorch_ops.warm` with the first run of a launcher (the driver in local
-mode, a Spark Python worker in barrier mode) as ``python -m sparktorch_ops.forkserver FD``, it
+Started by :mod:`sparktorch_ops.node.warm` with the first run of a launcher (the driver in local
+mode, a Spark Python worker in barrier mode) as ``python -m sparktorch_ops.node.forkserver FD``, it
 imports what an agent imports (torch, torchrun, the rank bootstrap) once, then waits. Each run
 sends it the agent's argv, environment and working directory with three file descriptors (the
 run's own socket, the agent's stdout and stderr); it forks, and the child becomes that run's
-agent exactly as ``python -m sparktorch_ops.agent`` would, minus the interpreter start and the
+agent exactly as ``python -m sparktorch_ops.node.agent`` would, minus the interpreter start and the
 imports (DESIGN section 9). This process never runs a run's code itself, so nothing a run does
 (environment, imported modules, thread settings) is seen by the next: each agent is a fresh
 fork of the same untouched image.
@@ -31,9 +31,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from sparktorch_ops.wire.env import WARM_PROCESS_ENV
+
 #: Marks the warm agent in the process table (value: a token of its launcher); the entry is the
 #: last of the server's environment and long enough for a run's marker to take its place.
-WARM_PROCESS_ENV = "SPARKTORCH_OPS_WARM_PROCESS"
 MARKER_SLOT_CHARS = 96
 _MAX_REQUEST_BYTES = 16 << 20
 _POLL_S = 1.0
@@ -84,7 +85,7 @@ def rewrite_marker(entry: str) -> bool:
 def rewrite_command_line(argv: list[str]) -> bool:
     """Show ``argv`` as this process's command line (``ps``, ``/proc/PID/cmdline``), in the
     room the server's own (padded) command line leaves: a forked agent looks like the
-    ``python -m sparktorch_ops.agent RUN_ID ...`` it stands for. What does not fit is cut to
+    ``python -m sparktorch_ops.node.agent RUN_ID ...`` it stands for. What does not fit is cut to
     the first four arguments; the last argument is padded with spaces."""
     areas = _own_areas()
     if areas is None:
@@ -139,14 +140,14 @@ def _become_agent(
         env: dict[str, str] = request["env"]
         os.environ.clear()
         os.environ.update(env)
-        from sparktorch_ops.planning import RUN_ID_ENV
+        from sparktorch_ops.wire.env import RUN_ID_ENV
 
         rewrite_marker(f"{RUN_ID_ENV}={env.get(RUN_ID_ENV, '')}")
         argv: list[str] = request["argv"]
         rewrite_command_line(argv)
-        from sparktorch_ops import agent
+        from sparktorch_ops.node import agent
 
-        sys.argv = [agent.__file__, *argv[3:]]  # as ``python -m sparktorch_ops.agent ...``
+        sys.argv = [agent.__file__, *argv[3:]]  # as ``python -m sparktorch_ops.node.agent ...``
         agent.run(expected_parent=os.getppid())
     except BaseException:  # pragma: no cover - reported through the agent's stderr
         import traceback
@@ -194,7 +195,7 @@ class _Server:
             return
         run_fd, out_fd, err_fd = fds
         run_sock = socket.socket(fileno=run_fd)
-        from sparktorch_ops.bootstrap import fork_keeps_cuda_usable
+        from sparktorch_ops.rank.bootstrap import fork_keeps_cuda_usable
 
         if not fork_keeps_cuda_usable():
             # A fork of a process that touched CUDA could not use it: the launcher must start
@@ -266,7 +267,7 @@ class _Server:
 
 
 def main() -> None:
-    """Entry point: ``python -m sparktorch_ops.forkserver CONTROL_FD LAUNCHER_PID ROOM``
+    """Entry point: ``python -m sparktorch_ops.node.forkserver CONTROL_FD LAUNCHER_PID ROOM``
     (``ROOM``: padding, the space a forked agent's command line takes)."""
     control = socket.socket(fileno=int(sys.argv[1]))
     launcher = int(sys.argv[2])
@@ -278,8 +279,8 @@ def main() -> None:
     # What an agent would import first thing, so that no run pays for it.
     import torch.distributed.run  # noqa: F401
 
-    import sparktorch_ops.agent
-    import sparktorch_ops.bootstrap  # noqa: F401
+    import sparktorch_ops.node.agent
+    import sparktorch_ops.rank.bootstrap  # noqa: F401
 
     # Children inherit these objects; keep the collector off them, so that collections in the
     # agents and ranks neither walk them nor copy their shared pages.

@@ -17,8 +17,7 @@ import socket
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
-NCCL_IFNAME_ENV = "NCCL_SOCKET_IFNAME"
+from sparktorch_ops.wire.env import GLOO_IFNAME_ENV, NCCL_IFNAME_ENV
 
 _Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 

@@ -6,45 +6,34 @@ Nothing here does I/O; every function is tested by exact equality.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sparktorch_ops.checkpoint import CHECKPOINT_DIR_ENV, WARM_START_ENV
 from sparktorch_ops.errors import ConfigError, ResourceError
-from sparktorch_ops.tracking import strip_tracking_env
+from sparktorch_ops.wire.env import (
+    CHECKPOINT_DIR_ENV,
+    UNSHARED_STORE_ENV,
+    WARM_START_ENV,
+)
+from sparktorch_ops.wire.plan import (
+    NODE_HOST,
+    RDZV_ENDPOINT,
+    TASK_GPUS,
+    UNKNOWN,
+    BarrierLayout,
+    NodePlan,
+    RunPlan,
+)
 
-# The environment every process of a run carries. RUN_ID_ENV doubles as the marker that finds
-# every process of a run in the process table (tests and operators use it).
-RUN_ID_ENV = "SPARKTORCH_OPS_RUN_ID"
-CHANNEL_ENV = "SPARKTORCH_OPS_CHANNEL"
-# The run's secret is in a private file (never in the environment: ranks print it); the
-# fingerprint of the channel's TLS certificate is public and travels in the environment.
-SECRET_FILE_ENV = "SPARKTORCH_OPS_SECRET_FILE"
-FINGERPRINT_ENV = "SPARKTORCH_OPS_CHANNEL_FINGERPRINT"
-PAYLOAD_ENV = "SPARKTORCH_OPS_PAYLOAD"
-NODE_HOST_ENV = "SPARKTORCH_OPS_HOST"
-# The pid of the process that started a node's agent: the agent dies when that one does.
-LAUNCHER_PID_ENV = "SPARKTORCH_OPS_LAUNCHER_PID"
-# torch's fork-safe CUDA availability check (NVML, no CUDA initialisation); the agent turns it
-# on for itself when unset and says so in the second variable, so that ranks can drop it again.
-NVML_CUDA_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
-NVML_CHECK_ADDED_ENV = "SPARKTORCH_OPS_NVML_CHECK_ADDED"
-
-AGENT_MODULE = "sparktorch_ops.agent"
+AGENT_MODULE = "sparktorch_ops.node.agent"
 # torchrun runs this file in the agent's own interpreter (--run-path) in a forked child.
-BOOTSTRAP_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap.py")
+BOOTSTRAP_SCRIPT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rank", "bootstrap.py"
+)
 # Ranks are forked from the agent, which has already imported torch (DESIGN section 9);
 # torchrun_args may say --start-method=spawn to give each rank a fresh interpreter instead.
 DEFAULT_START_METHOD = "fork"
-
-
-@dataclass(frozen=True)
-class BarrierLayout:
-    """How ranks map onto barrier tasks: ``num_tasks`` tasks of ``ranks_per_task`` ranks each."""
-
-    num_tasks: int
-    ranks_per_task: int
 
 
 def agent_argv(
@@ -62,8 +51,8 @@ def agent_argv(
 ) -> tuple[str, ...]:
     """The command line of one node's torchrun agent.
 
-    The agent is ``torch.distributed.run`` itself, entered through ``sparktorch_ops.agent`` so
-    that it dies with its parent. Every rank runs ``sparktorch_ops.bootstrap`` in torchrun's
+    The agent is ``torch.distributed.run`` itself, entered through ``sparktorch_ops.node.agent`` so
+    that it dies with its parent. Every rank runs ``sparktorch_ops.rank.bootstrap`` in torchrun's
     ``--run-path`` mode, forked from the agent (``--start-method``, which ``extra_args`` may
     override), and the bootstrap forks the process that runs the user's function or script.
 
@@ -104,51 +93,6 @@ def agent_argv(
     argv.extend(extra_args)
     argv.extend([BOOTSTRAP_SCRIPT, run_id])
     return tuple(argv)
-
-
-def agent_env(
-    base_env: Mapping[str, str],
-    user_env: Mapping[str, str],
-    *,
-    run_id: str,
-    channel: str,
-    fingerprint: str | None,
-    secret_path: str,
-    payload_path: str,
-    host: str,
-    omp_threads: int | None,
-    cuda_visible_devices: str | None,
-) -> dict[str, str]:
-    """The environment of one node's agent; torchrun passes it on to every rank it starts.
-
-    ``user_env`` wins over ``base_env`` (which loses MLflow's tracking URI and credentials:
-    ranks never talk to MLflow); OMP_NUM_THREADS is set only where neither sets it
-    (Spark itself exports ``spark.task.cpus`` there for its Python workers); CUDA_VISIBLE_DEVICES
-    is set whenever GPUs were assigned, and left as the node has it for CPU runs.
-    """
-    # Ranks never talk to MLflow: the driver tracks the run (only the user's env= may say so).
-    env = strip_tracking_env(base_env)
-    env.update(user_env)
-    env[RUN_ID_ENV] = run_id
-    env[CHANNEL_ENV] = channel
-    env[SECRET_FILE_ENV] = secret_path
-    if fingerprint is not None:
-        env[FINGERPRINT_ENV] = fingerprint
-    else:
-        env.pop(FINGERPRINT_ENV, None)
-    env[PAYLOAD_ENV] = payload_path
-    env[NODE_HOST_ENV] = host
-    if omp_threads is not None and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(omp_threads)
-    if cuda_visible_devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
-    return env
-
-
-# torchrun shares its rendezvous store with the ranks on one port for the whole run; a restarted
-# worker group then reads the dead group's gloo addresses (pytorch/pytorch#135712). With this
-# set, each attempt's ranks get a fresh store.
-UNSHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def run_env(spec: Any) -> dict[str, str]:
@@ -283,14 +227,6 @@ def check_slots(required_tasks: int, available_slots: int, *, waited: bool) -> N
 # -- the run plan ----------------------------------------------------------------------------
 # Values only the acting layer knows; a plan carries them as placeholders that a node fills in
 # (``NodePlan.bind``), and a dry run shows them as they are.
-PAYLOAD_PATH = "<payload_path>"  # where the launcher writes the rank's payload
-SECRET_PATH = "<secret_path>"  # where the launcher writes the run's secret (mode 0600)
-NODE_HOST = "<node_host>"  # the barrier task's host, from Spark's task infos
-RDZV_ENDPOINT = "<rdzv_endpoint>"  # task 0's rendezvous store, learnt during the run
-TASK_GPUS = "<task_gpus>"  # the barrier task's GPU addresses, from Spark's task resources
-UNKNOWN = "<unknown>"  # a fact a dry run did not gather (no I/O)
-
-
 @dataclass(frozen=True)
 class RunFacts:
     """What the acting layer found out before planning; a dry run leaves the I/O ones unknown.
@@ -316,161 +252,6 @@ class RunFacts:
     local_gpus: tuple[str, ...] | None = None
     task_cpus: int = 1
     task_gpu_amount: float | None = None
-
-
-@dataclass(frozen=True)
-class AgentPlan:
-    """How one node's torchrun agent is started, every placeholder filled: argv and env."""
-
-    argv: tuple[str, ...]
-    env: dict[str, str]
-
-
-@dataclass(frozen=True)
-class NodePlan:
-    """One torchrun agent: the driver in local mode, one barrier task otherwise.
-
-    Attributes:
-        node: the node's index (the barrier partition).
-        ranks: the global ranks it starts.
-        argv: the agent's command line (may hold ``NODE_HOST`` / ``RDZV_ENDPOINT``).
-        user_env: the user's ``env``.
-        host: the node's host name, or ``NODE_HOST``.
-        cuda_visible_devices: the GPUs its ranks see, ``TASK_GPUS``, ``UNKNOWN``, or None
-            (a CPU run: left as the node has it).
-        omp_threads: OMP_NUM_THREADS for its ranks, unless the node or the user sets it.
-    """
-
-    node: int
-    ranks: tuple[int, ...]
-    argv: tuple[str, ...]
-    user_env: Mapping[str, str]
-    host: str
-    cuda_visible_devices: str | None
-    omp_threads: int | None
-
-    def env(
-        self, base_env: Mapping[str, str], *, run_id: str, channel: str, fingerprint: str | None
-    ) -> dict[str, str]:
-        """The agent's environment over ``base_env`` (placeholders not yet filled)."""
-        return agent_env(
-            base_env,
-            self.user_env,
-            run_id=run_id,
-            channel=channel,
-            fingerprint=fingerprint,
-            secret_path=SECRET_PATH,
-            payload_path=PAYLOAD_PATH,
-            host=self.host,
-            omp_threads=self.omp_threads,
-            cuda_visible_devices=self.cuda_visible_devices,
-        )
-
-    def bind(
-        self,
-        base_env: Mapping[str, str],
-        *,
-        run_id: str,
-        channel: str,
-        fingerprint: str | None,
-        payload_path: str,
-        secret_path: str,
-        launcher_pid: int,
-        host: str | None = None,
-        rdzv_endpoint: str | None = None,
-        gpus: Sequence[str] | None = None,
-    ) -> AgentPlan:
-        """Fill in what the node learnt (pure): the agent's exact argv and environment.
-
-        Raises:
-            ValueError: a placeholder is left without its value.
-        """
-        values = {PAYLOAD_PATH: payload_path, SECRET_PATH: secret_path}
-        if host is not None:
-            values[NODE_HOST] = host
-        if rdzv_endpoint is not None:
-            values[RDZV_ENDPOINT] = rdzv_endpoint
-        if gpus is not None:
-            values[TASK_GPUS] = ",".join(gpus)
-
-        def fill(text: str) -> str:
-            for placeholder, value in values.items():
-                text = text.replace(placeholder, value)
-            if any(p in text for p in (NODE_HOST, RDZV_ENDPOINT, TASK_GPUS, UNKNOWN)):
-                raise ValueError(f"unfilled placeholder in {text!r}")
-            return text
-
-        env = self.env(base_env, run_id=run_id, channel=channel, fingerprint=fingerprint)
-        # Every value this plan wrote (over the node's own, which are left as they are).
-        ours = self.env({}, run_id=run_id, channel=channel, fingerprint=fingerprint)
-        filled = {k: fill(v) if ours.get(k) == v else v for k, v in env.items()}
-        filled[LAUNCHER_PID_ENV] = str(launcher_pid)
-        return AgentPlan(tuple(fill(a) for a in self.argv), filled)
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """Everything a launch will do, decided before anything starts.
-
-    Attributes:
-        run_id: the run's id.
-        mode: ``"local"`` or ``"barrier"``.
-        num_processes: total ranks.
-        layout: nodes (agents) and ranks per node.
-        channel_address: the driver's listener (or ``UNKNOWN`` in a dry run).
-        channel_fingerprint: its TLS certificate's SHA-256 (None: plain TCP).
-        payload: what every rank runs, in words.
-        nodes: one plan per node.
-    """
-
-    run_id: str
-    mode: str
-    num_processes: int
-    layout: BarrierLayout
-    channel_address: str
-    payload: str
-    nodes: tuple[NodePlan, ...]
-    channel_fingerprint: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe view (what ``--dry-run`` prints; the secret is never in a plan)."""
-        nodes = []
-        for node in self.nodes:
-            env = node.env(
-                {},
-                run_id=self.run_id,
-                channel=self.channel_address,
-                fingerprint=self.channel_fingerprint,
-            )
-            nodes.append(
-                {
-                    "node": node.node,
-                    "ranks": list(node.ranks),
-                    "host": node.host,
-                    "gpus": node.cuda_visible_devices,
-                    "argv": list(node.argv),
-                    "env": dict(sorted(env.items())),
-                }
-            )
-        return {
-            "run_id": self.run_id,
-            "mode": self.mode,
-            "num_processes": self.num_processes,
-            "nodes_count": self.layout.num_tasks,
-            "ranks_per_node": self.layout.ranks_per_task,
-            "channel_address": self.channel_address,
-            "channel_tls": self.channel_fingerprint is not None,
-            "payload": self.payload,
-            "placeholders": {
-                PAYLOAD_PATH: "written by the launcher where the node runs",
-                SECRET_PATH: "the run's secret, written by the launcher (mode 0600)",
-                NODE_HOST: "the barrier task's host (Spark's task infos)",
-                RDZV_ENDPOINT: "task 0's rendezvous store, learnt during the run",
-                TASK_GPUS: "the barrier task's GPU addresses (Spark's task resources)",
-                UNKNOWN: "a fact that a dry run does not gather",
-            },
-            "nodes": nodes,
-        }
 
 
 def plan_run(spec: Any, payload: str, facts: RunFacts) -> RunPlan:

@@ -4,12 +4,13 @@ Each run makes a fresh self-signed certificate on the driver; its SHA-256 finger
 with the run plan (to barrier tasks inside the Spark task, which Spark encrypts, and to ranks in
 their environment: a fingerprint is not a secret). Clients pin that fingerprint instead of
 checking a CA or a host name, so no PKI is needed and a man in the middle cannot present its own
-certificate. ``cryptography`` is imported only here, only when encryption is on.
+certificate. The driver makes the certificate (:mod:`sparktorch_ops.driver.certificate`, the
+one place ``cryptography`` is imported); this module holds what both ends need, on ``ssl``
+alone.
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import hmac
 import os
@@ -18,8 +19,6 @@ import tempfile
 from dataclasses import dataclass, field
 
 from sparktorch_ops.errors import ChannelError
-
-_VALIDITY = datetime.timedelta(days=365)  # pinned by fingerprint, so expiry protects nothing
 
 
 @dataclass(frozen=True)
@@ -50,38 +49,6 @@ class ChannelCertificate:
                     out.write(data)
             context.load_cert_chain(cert_path, key_path)
         return context
-
-
-def make_certificate() -> ChannelCertificate:
-    """A fresh self-signed P-256 certificate for one run."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "sparktorch-ops channel")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + _VALIDITY)
-        .sign(key, hashes.SHA256())
-    )
-    der = cert.public_bytes(serialization.Encoding.DER)
-    return ChannelCertificate(
-        cert_pem=cert.public_bytes(serialization.Encoding.PEM),
-        key_pem=key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        ),
-        fingerprint=hashlib.sha256(der).hexdigest(),
-    )
 
 
 def client_context() -> ssl.SSLContext:

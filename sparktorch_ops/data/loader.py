@@ -32,9 +32,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-from sparktorch_ops.data import (
-    DATA_FILE_ENV,
-    EPOCH_ROWS_ENV,
+from sparktorch_ops.data.shards import (
     DataError,
     _is_list,
     batches_per_epoch,
@@ -42,6 +40,7 @@ from sparktorch_ops.data import (
     tensor_problems,
 )
 from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.wire.env import DATA_FILE_ENV, EPOCH_ROWS_ENV
 
 Style = Literal["dict", "pyspark"]
 Arrays = dict[str, np.ndarray]

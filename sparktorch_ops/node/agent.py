@@ -1,7 +1,7 @@
 """A node's torchrun agent: ``torch.distributed.run`` itself, made to die with its parent.
 
 The launcher (the driver in local mode, a barrier task otherwise) starts
-``python -m sparktorch_ops.agent RUN_ID <torchrun arguments>``. This sets the parent-death
+``python -m sparktorch_ops.node.agent RUN_ID <torchrun arguments>``. This sets the parent-death
 signal, exports its pid for the ranks' supervisors, and then runs torchrun's own ``main`` in
 this process: the same launcher, rendezvous, restarts and error files as the ``torchrun``
 command, plus a SIGTERM (torchrun's orderly shutdown of its workers) when the launcher vanishes.
@@ -14,13 +14,17 @@ import signal
 import sys
 from typing import Any, NoReturn
 
-from sparktorch_ops.bootstrap import AGENT_PID_ENV
-from sparktorch_ops.planning import LAUNCHER_PID_ENV, NVML_CHECK_ADDED_ENV, NVML_CUDA_CHECK_ENV
-from sparktorch_ops.process import (
+from sparktorch_ops.node.process import (
     die_with_parent,
     exit_status,
     finish_like_an_interpreter,
     start_parent_watchdog,
+)
+from sparktorch_ops.wire.env import (
+    AGENT_PID_ENV,
+    LAUNCHER_PID_ENV,
+    NVML_CHECK_ADDED_ENV,
+    NVML_CUDA_CHECK_ENV,
 )
 
 
@@ -34,7 +38,7 @@ def run(expected_parent: int) -> NoReturn:
 
     Args:
         expected_parent: the launcher, or the warm agent this process was forked from
-            (:mod:`sparktorch_ops.forkserver`); this process dies with it.
+            (:mod:`sparktorch_ops.node.forkserver`); this process dies with it.
     """
     die_with_parent(signal.SIGTERM, expected_parent)
     start_parent_watchdog(lambda: os.kill(os.getpid(), signal.SIGTERM))
@@ -49,7 +53,7 @@ def run(expected_parent: int) -> NoReturn:
     _poll_rendezvous_sooner(sys.argv[2:])
 
     # Imported here so that every forked rank finds them (and torch) loaded already.
-    import sparktorch_ops.bootstrap  # noqa: F401
+    import sparktorch_ops.rank.bootstrap  # noqa: F401
 
     status = 1
     try:

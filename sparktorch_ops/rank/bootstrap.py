@@ -2,7 +2,7 @@
 
 torchrun runs this file in a child forked from the agent (``--run-path``), so ``torch`` is
 already imported. It connects to the driver's channel, forks the rank process (or, where a fork
-could not use CUDA, starts it as a fresh interpreter), which runs :mod:`sparktorch_ops.worker`
+could not use CUDA, starts it as a fresh interpreter), which runs :mod:`sparktorch_ops.rank.worker`
 (the user's code) with its output piped, forwards every line of it to the driver, and reports
 how it exited. The rank process dies with this one (``PR_SET_PDEATHSIG``), and this one stops it
 when its own parent (torchrun's agent) dies or the driver closes the channel, so nothing
@@ -21,10 +21,7 @@ import threading
 import time
 from typing import IO, Any
 
-from sparktorch_ops import channel, worker
-from sparktorch_ops.messages import STDERR, STDOUT, ExitReport, Hello
-from sparktorch_ops.planning import CHANNEL_ENV, FINGERPRINT_ENV, NODE_HOST_ENV, SECRET_FILE_ENV
-from sparktorch_ops.process import (
+from sparktorch_ops.node.process import (
     ForkedChild,
     LineSplitter,
     die_with_parent,
@@ -32,9 +29,18 @@ from sparktorch_ops.process import (
     set_process_name,
     start_parent_watchdog,
 )
+from sparktorch_ops.rank import worker
 from sparktorch_ops.results import OUTPUT_CUT_NOTE, signal_name
+from sparktorch_ops.wire import channel
+from sparktorch_ops.wire.env import (
+    AGENT_PID_ENV,
+    CHANNEL_ENV,
+    FINGERPRINT_ENV,
+    NODE_HOST_ENV,
+    SECRET_FILE_ENV,
+)
+from sparktorch_ops.wire.messages import STDERR, STDOUT, ExitReport, Hello
 
-AGENT_PID_ENV = "SPARKTORCH_OPS_AGENT_PID"
 _TERMINATE_GRACE_S = 5.0
 # After the rank exits, how long its output pipes may stay open (held by a process it started)
 # before the supervisor stops reading them; the pumps look at the clock this often.
@@ -80,7 +86,7 @@ class Supervisor:
             self.child = ForkedChild(run_rank)
             return
         self.child = subprocess.Popen(
-            [sys.executable, "-u", "-m", "sparktorch_ops.worker"],
+            [sys.executable, "-u", "-m", "sparktorch_ops.rank.worker"],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -1,7 +1,7 @@
 """The rank process: runs the user's function or script.
 
-Forked by :mod:`sparktorch_ops.bootstrap` (which forwards this process's output to the driver)
-and entered through :func:`run_forked`, or started as ``python -u -m sparktorch_ops.worker``
+Forked by :mod:`sparktorch_ops.rank.bootstrap` (which forwards this process's output to the driver)
+and entered through :func:`run_forked`, or started as ``python -u -m sparktorch_ops.rank.worker``
 where a fork could not use CUDA. It opens its own channel connection for metrics, the
 failure record and rank 0's result.
 """
@@ -21,10 +21,11 @@ from typing import Any
 
 import cloudpickle
 
-from sparktorch_ops import channel, data, reporting
-from sparktorch_ops.messages import FailureReport, Hello
-from sparktorch_ops.payload import read_rank_payload
-from sparktorch_ops.planning import (
+from sparktorch_ops.data import shards
+from sparktorch_ops.node.process import exit_status, finish_like_an_interpreter, set_process_name
+from sparktorch_ops.rank import reporting
+from sparktorch_ops.wire import channel
+from sparktorch_ops.wire.env import (
     CHANNEL_ENV,
     FINGERPRINT_ENV,
     NODE_HOST_ENV,
@@ -33,7 +34,8 @@ from sparktorch_ops.planning import (
     PAYLOAD_ENV,
     SECRET_FILE_ENV,
 )
-from sparktorch_ops.process import exit_status, finish_like_an_interpreter, set_process_name
+from sparktorch_ops.wire.messages import FailureReport, Hello
+from sparktorch_ops.wire.payload import read_rank_payload
 
 
 def _hello() -> Hello:
@@ -87,7 +89,7 @@ def main(secret: str | None = None) -> int:
     if os.environ.pop(NVML_CHECK_ADDED_ENV, None):
         os.environ.pop(NVML_CUDA_CHECK_ENV, None)  # the agent's setting, not the user's
     # The user's code must not find the way to the secret in its environment either.
-    data.select_rank_shard(os.environ)  # DataFrame input: this rank's own shard
+    shards.select_rank_shard(os.environ)  # DataFrame input: this rank's own shard
     secret_path = os.environ.pop(SECRET_FILE_ENV)
     if secret is None:
         secret = channel.read_secret_file(secret_path)

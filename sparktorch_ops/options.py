@@ -1,0 +1,325 @@
+"""Every launch option, defined once: its default, its doc, whether the orchestrators template
+it, and its command-line flag.
+
+The surfaces that take launch options keep explicit, typed signatures (Airflow's
+``partial()/expand()`` checks keyword names against the operator's ``__init__``), but their
+docs are written from here (:func:`documented`), the CLI's flags are made from here
+(:func:`add_cli_flags`), the wrappers pass their values through by name
+(:func:`values_of`), and ``tests/integration/test_options.py`` checks that every surface takes
+exactly its options with these defaults. Adding an option: one entry below, the parameter on
+each surface's signature, the field on :class:`~sparktorch_ops.spec.LaunchSpec`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+Surface = Literal["distributor", "job", "operator", "task", "cli"]
+#: Where the options are taken: ``TorchDistributor``, ``build_job`` (and ``LaunchSpec``),
+#: the Airflow operator, the Prefect task, the ``sparktorch-ops run`` command.
+SURFACES: tuple[Surface, ...] = ("distributor", "job", "operator", "task", "cli")
+_EVERYWHERE = frozenset(SURFACES)
+_IN_CODE = frozenset({"distributor", "job"})  # callables and objects: not for a wrapper's user
+DEFAULT_MAX_RESULT_BYTES = 1 << 30
+_MARKER = "<launch options>"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How an option appears on the command line (``argparse.add_argument`` keywords)."""
+
+    name: str
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One launch option.
+
+    Attributes:
+        name: the keyword on every surface.
+        doc: what it does, as each surface's docs say it.
+        default: its default (the same on every surface, unless ``defaults`` says otherwise).
+        templated: rendered by Airflow (in the operator's ``template_fields``).
+        flag: its command-line flag (None: not on the CLI).
+        surfaces: where it is taken.
+        defaults: a surface's own default, where it differs.
+    """
+
+    name: str
+    doc: str
+    default: Any = None
+    templated: bool = False
+    flag: Flag | None = None
+    surfaces: frozenset[str] = _EVERYWHERE
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def default_on(self, surface: Surface) -> Any:
+        """This option's default on ``surface``."""
+        return self.defaults.get(surface, self.default)
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _ranks(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ranks like 0,1, got {text!r}") from None
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "num_processes",
+        "total number of ranks.",
+        1,
+        templated=True,
+        flag=Flag("--num-processes", {"type": int, "help": "total ranks (default 1)"}),
+    ),
+    Option(
+        "local_mode",
+        "True runs the ranks on the driver; False runs one rank per Spark barrier task (k per "
+        "task with ``spark.task.resource.gpu.amount=k``).",
+        True,
+        # The CLI's --local-mode / --no-local-mode pair: local unless --master is given.
+        defaults={"cli": None},
+    ),
+    Option(
+        "use_gpu",
+        "give each rank its own GPU.",
+        True,
+        flag=Flag("--use-gpu", {"action": "store_true", "help": "give each rank a GPU"}),
+        defaults={"cli": False},  # a command line asks for GPUs
+    ),
+    Option(
+        "env",
+        "extra environment variables for every rank.",
+        None,
+        templated=True,
+        flag=Flag(
+            "--env",
+            {"action": "append", "type": _key_value, "metavar": "KEY=VALUE", "help": "repeatable"},
+        ),
+    ),
+    Option(
+        "max_restarts",
+        "torchrun's worker-group restarts within one run.",
+        0,
+        flag=Flag("--max-restarts", {"type": int}),
+    ),
+    Option(
+        "torchrun_args",
+        "further torchrun options (not those the distributor sets itself).",
+        None,
+        flag=Flag(
+            "--torchrun-arg",
+            {"action": "append", "metavar": "ARG", "help": "repeatable: --torchrun-arg=--foo=1"},
+        ),
+    ),
+    Option(
+        "start_timeout",
+        "seconds (or a timedelta) to wait for task slots, executors and the rendezvous.",
+        None,
+        flag=Flag("--start-timeout", {"type": float}),
+    ),
+    Option(
+        "timeout",
+        "seconds (or a timedelta) the whole run may take.",
+        None,
+        flag=Flag("--timeout", {"type": float}),
+    ),
+    Option(
+        "log_ranks",
+        "ranks whose output is forwarded to the log (default: all).",
+        None,
+        flag=Flag("--log-ranks", {"type": _ranks, "metavar": "0,1"}),
+    ),
+    Option(
+        "allow_unencrypted_channel",
+        "keep the rank -> driver channel plain TCP even though Spark's encryption is on (it "
+        "then uses TLS with a per-run certificate; it is authenticated either way).",
+        False,
+        flag=Flag("--allow-unencrypted-channel", {"action": "store_true"}),
+    ),
+    Option(
+        "max_result_bytes",
+        "the largest pickled return value rank 0 may send (default 1 GiB); beyond it the run "
+        "fails with ``ResultTooLargeError``.",
+        DEFAULT_MAX_RESULT_BYTES,
+        flag=Flag("--max-result-bytes", {"type": int}),
+    ),
+    Option(
+        "max_local_processes",
+        "the most ranks local mode may start (default 4 per CPU of the driver).",
+        None,
+        flag=Flag("--max-local-processes", {"type": int}),
+    ),
+    Option(
+        "checkpoint_dir",
+        "where the ranks' ``sparktorch_ops.checkpoint`` saves and resumes (env "
+        "``SPARKTORCH_CHECKPOINT_DIR``): a path every rank reaches or an fsspec URL. A "
+        "restarted worker group and a rerun with the same directory resume from its latest "
+        "complete checkpoint.",
+        None,
+        templated=True,
+        flag=Flag("--checkpoint-dir", {}),
+    ),
+    Option(
+        "warm_start_from",
+        "a checkpoint directory or a ``torch.save``'d model file whose weights "
+        "``load_latest`` loads when ``checkpoint_dir`` has no checkpoint yet (a resume wins).",
+        None,
+        templated=True,
+        flag=Flag("--warm-start-from", {}),
+    ),
+    Option(
+        "mlflow_experiment",
+        "track each run as one MLflow run in this experiment, logged from the driver (params, "
+        "every rank 0 ``report()`` as metrics, outcome, Spark tags; nested under the caller's "
+        "active MLflow run); ranks never talk to MLflow.",
+        None,
+        templated=True,
+        flag=Flag("--mlflow-experiment", {}),
+    ),
+    Option(
+        "mlflow_tracking_uri",
+        "the MLflow tracking URI (default ``MLFLOW_TRACKING_URI``); given alone it also turns "
+        "tracking on (MLflow's default experiment).",
+        None,
+        templated=True,
+        flag=Flag("--mlflow-tracking-uri", {}),
+    ),
+    Option(
+        "mlflow_all_ranks",
+        "log every rank's ``report()`` records to MLflow (keys suffixed ``/rank<N>``), not "
+        "only rank 0's.",
+        False,
+        flag=Flag("--mlflow-all-ranks", {"action": "store_true"}),
+    ),
+    Option(
+        "channel_host",
+        "the address barrier tasks reach this process at for logs, metrics and the result, "
+        "when the default is wrong (NAT, containers).",
+        None,
+        templated=True,
+        flag=Flag("--channel-host", {}),
+    ),
+    Option(
+        "logger",
+        "receives every rank's output (stdout at INFO, stderr at WARNING): a "
+        "``logging.Logger``, an adapter, or anything with ``log(level, msg, *args)``.",
+        None,
+        surfaces=_IN_CODE,
+    ),
+    Option(
+        "on_metrics",
+        "called with every ``sparktorch_ops.report()`` record as it arrives.",
+        None,
+        surfaces=_IN_CODE,
+    ),
+    Option(
+        "on_event",
+        "called with every :class:`~sparktorch_ops.events.PhaseEvent` of a run.",
+        None,
+        surfaces=_IN_CODE,
+    ),
+    Option(
+        "mlflow_tags",
+        "tags for the MLflow run (the orchestrators add their run's ids).",
+        None,
+        surfaces=frozenset({"job"}),
+    ),
+)
+_BY_NAME = {option.name: option for option in OPTIONS}
+
+
+def on(surface: Surface) -> tuple[Option, ...]:
+    """The options ``surface`` takes, in definition order."""
+    return tuple(option for option in OPTIONS if surface in option.surfaces)
+
+
+def option(name: str) -> Option:
+    """The option called ``name``."""
+    return _BY_NAME[name]
+
+
+def values_of(surface: Surface, source: Mapping[str, Any] | object) -> dict[str, Any]:
+    """The values of ``surface``'s options, by name, from a mapping (a function's
+    ``locals()``) or an object's attributes (an operator): what a wrapper passes on."""
+    if isinstance(source, Mapping):
+        return {o.name: source[o.name] for o in on(surface)}
+    return {o.name: getattr(source, o.name) for o in on(surface)}
+
+
+def describe(surface: Surface, indent: str) -> str:
+    """Docstring ``Args:`` entries for ``surface``'s options."""
+    import textwrap
+
+    lines = []
+    for o in on(surface):
+        text = o.doc
+        if o.templated and surface == "operator":
+            text += " Templated."
+        if surface == "cli" and o.flag is not None:
+            text = f"({o.flag.name}) {text}"
+        lines.append(
+            textwrap.fill(
+                f"{o.name}: {text}",
+                width=96,
+                initial_indent=indent,
+                subsequent_indent=indent + "    ",
+            )
+        )
+    return "\n".join(lines)
+
+
+_Documented = TypeVar("_Documented", bound=Callable[..., Any] | type)
+
+
+def documented(surface: Surface) -> Callable[[_Documented], _Documented]:
+    """Write ``surface``'s option docs into a docstring, in place of its ``<launch options>``
+    line (whose indentation they take)."""
+
+    def fill(target: _Documented) -> _Documented:
+        doc = target.__doc__ or ""
+        lines = doc.split("\n")
+        for i, line in enumerate(lines):
+            if line.strip() == _MARKER:
+                indent = line[: len(line) - len(line.lstrip())]
+                lines[i] = describe(surface, indent)
+                target.__doc__ = "\n".join(lines)
+                return target
+        raise ValueError(f"{target!r}'s docstring has no {_MARKER!r} line")
+
+    return fill
+
+
+def add_cli_flags(parser: argparse.ArgumentParser) -> None:
+    """The CLI's flags of every option that has one."""
+    for o in on("cli"):
+        if o.flag is None:
+            continue
+        kwargs = dict(o.flag.kwargs)
+        kwargs.setdefault("help", o.doc)
+        parser.add_argument(o.flag.name, dest=o.name, default=o.default_on("cli"), **kwargs)
+
+
+def cli_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The options parsed by :func:`add_cli_flags`, as ``build_job`` takes them."""
+    values = {o.name: getattr(args, o.name) for o in on("cli") if o.flag is not None}
+    if values.get("env") is not None:
+        values["env"] = dict(values["env"])
+    return values
+
+
+def names(options: Sequence[Option]) -> list[str]:
+    """The options' names."""
+    return [o.name for o in options]

@@ -1,0 +1,1 @@
+"""Spark on the driver: the one session factory, preflight, DataFrame input, JVM log."""

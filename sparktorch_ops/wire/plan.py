@@ -1,0 +1,231 @@
+"""The run plan: what a launch will do, decided on the driver before anything starts, and
+carried to every node (a barrier task fills in what only it learns: its host, the rendezvous
+endpoint, its GPUs). Pure data and pure functions, standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sparktorch_ops.wire.env import (
+    CHANNEL_ENV,
+    FINGERPRINT_ENV,
+    LAUNCHER_PID_ENV,
+    NODE_HOST_ENV,
+    PAYLOAD_ENV,
+    RUN_ID_ENV,
+    SECRET_FILE_ENV,
+    strip_tracking_env,
+)
+
+
+@dataclass(frozen=True)
+class BarrierLayout:
+    """How ranks map onto barrier tasks: ``num_tasks`` tasks of ``ranks_per_task`` ranks each."""
+
+    num_tasks: int
+    ranks_per_task: int
+
+
+def agent_env(
+    base_env: Mapping[str, str],
+    user_env: Mapping[str, str],
+    *,
+    run_id: str,
+    channel: str,
+    fingerprint: str | None,
+    secret_path: str,
+    payload_path: str,
+    host: str,
+    omp_threads: int | None,
+    cuda_visible_devices: str | None,
+) -> dict[str, str]:
+    """The environment of one node's agent; torchrun passes it on to every rank it starts.
+
+    ``user_env`` wins over ``base_env`` (which loses MLflow's tracking URI and credentials:
+    ranks never talk to MLflow); OMP_NUM_THREADS is set only where neither sets it
+    (Spark itself exports ``spark.task.cpus`` there for its Python workers); CUDA_VISIBLE_DEVICES
+    is set whenever GPUs were assigned, and left as the node has it for CPU runs.
+    """
+    # Ranks never talk to MLflow: the driver tracks the run (only the user's env= may say so).
+    env = strip_tracking_env(base_env)
+    env.update(user_env)
+    env[RUN_ID_ENV] = run_id
+    env[CHANNEL_ENV] = channel
+    env[SECRET_FILE_ENV] = secret_path
+    if fingerprint is not None:
+        env[FINGERPRINT_ENV] = fingerprint
+    else:
+        env.pop(FINGERPRINT_ENV, None)
+    env[PAYLOAD_ENV] = payload_path
+    env[NODE_HOST_ENV] = host
+    if omp_threads is not None and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(omp_threads)
+    if cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+    return env
+
+
+PAYLOAD_PATH = "<payload_path>"  # where the launcher writes the rank's payload
+SECRET_PATH = "<secret_path>"  # where the launcher writes the run's secret (mode 0600)
+NODE_HOST = "<node_host>"  # the barrier task's host, from Spark's task infos
+RDZV_ENDPOINT = "<rdzv_endpoint>"  # task 0's rendezvous store, learnt during the run
+TASK_GPUS = "<task_gpus>"  # the barrier task's GPU addresses, from Spark's task resources
+UNKNOWN = "<unknown>"  # a fact a dry run did not gather (no I/O)
+
+
+@dataclass(frozen=True)
+class AgentPlan:
+    """How one node's torchrun agent is started, every placeholder filled: argv and env."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One torchrun agent: the driver in local mode, one barrier task otherwise.
+
+    Attributes:
+        node: the node's index (the barrier partition).
+        ranks: the global ranks it starts.
+        argv: the agent's command line (may hold ``NODE_HOST`` / ``RDZV_ENDPOINT``).
+        user_env: the user's ``env``.
+        host: the node's host name, or ``NODE_HOST``.
+        cuda_visible_devices: the GPUs its ranks see, ``TASK_GPUS``, ``UNKNOWN``, or None
+            (a CPU run: left as the node has it).
+        omp_threads: OMP_NUM_THREADS for its ranks, unless the node or the user sets it.
+    """
+
+    node: int
+    ranks: tuple[int, ...]
+    argv: tuple[str, ...]
+    user_env: Mapping[str, str]
+    host: str
+    cuda_visible_devices: str | None
+    omp_threads: int | None
+
+    def env(
+        self, base_env: Mapping[str, str], *, run_id: str, channel: str, fingerprint: str | None
+    ) -> dict[str, str]:
+        """The agent's environment over ``base_env`` (placeholders not yet filled)."""
+        return agent_env(
+            base_env,
+            self.user_env,
+            run_id=run_id,
+            channel=channel,
+            fingerprint=fingerprint,
+            secret_path=SECRET_PATH,
+            payload_path=PAYLOAD_PATH,
+            host=self.host,
+            omp_threads=self.omp_threads,
+            cuda_visible_devices=self.cuda_visible_devices,
+        )
+
+    def bind(
+        self,
+        base_env: Mapping[str, str],
+        *,
+        run_id: str,
+        channel: str,
+        fingerprint: str | None,
+        payload_path: str,
+        secret_path: str,
+        launcher_pid: int,
+        host: str | None = None,
+        rdzv_endpoint: str | None = None,
+        gpus: Sequence[str] | None = None,
+    ) -> AgentPlan:
+        """Fill in what the node learnt (pure): the agent's exact argv and environment.
+
+        Raises:
+            ValueError: a placeholder is left without its value.
+        """
+        values = {PAYLOAD_PATH: payload_path, SECRET_PATH: secret_path}
+        if host is not None:
+            values[NODE_HOST] = host
+        if rdzv_endpoint is not None:
+            values[RDZV_ENDPOINT] = rdzv_endpoint
+        if gpus is not None:
+            values[TASK_GPUS] = ",".join(gpus)
+
+        def fill(text: str) -> str:
+            for placeholder, value in values.items():
+                text = text.replace(placeholder, value)
+            if any(p in text for p in (NODE_HOST, RDZV_ENDPOINT, TASK_GPUS, UNKNOWN)):
+                raise ValueError(f"unfilled placeholder in {text!r}")
+            return text
+
+        env = self.env(base_env, run_id=run_id, channel=channel, fingerprint=fingerprint)
+        # Every value this plan wrote (over the node's own, which are left as they are).
+        ours = self.env({}, run_id=run_id, channel=channel, fingerprint=fingerprint)
+        filled = {k: fill(v) if ours.get(k) == v else v for k, v in env.items()}
+        filled[LAUNCHER_PID_ENV] = str(launcher_pid)
+        return AgentPlan(tuple(fill(a) for a in self.argv), filled)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything a launch will do, decided before anything starts.
+
+    Attributes:
+        run_id: the run's id.
+        mode: ``"local"`` or ``"barrier"``.
+        num_processes: total ranks.
+        layout: nodes (agents) and ranks per node.
+        channel_address: the driver's listener (or ``UNKNOWN`` in a dry run).
+        channel_fingerprint: its TLS certificate's SHA-256 (None: plain TCP).
+        payload: what every rank runs, in words.
+        nodes: one plan per node.
+    """
+
+    run_id: str
+    mode: str
+    num_processes: int
+    layout: BarrierLayout
+    channel_address: str
+    payload: str
+    nodes: tuple[NodePlan, ...]
+    channel_fingerprint: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe view (what ``--dry-run`` prints; the secret is never in a plan)."""
+        nodes = []
+        for node in self.nodes:
+            env = node.env(
+                {},
+                run_id=self.run_id,
+                channel=self.channel_address,
+                fingerprint=self.channel_fingerprint,
+            )
+            nodes.append(
+                {
+                    "node": node.node,
+                    "ranks": list(node.ranks),
+                    "host": node.host,
+                    "gpus": node.cuda_visible_devices,
+                    "argv": list(node.argv),
+                    "env": dict(sorted(env.items())),
+                }
+            )
+        return {
+            "run_id": self.run_id,
+            "mode": self.mode,
+            "num_processes": self.num_processes,
+            "nodes_count": self.layout.num_tasks,
+            "ranks_per_node": self.layout.ranks_per_task,
+            "channel_address": self.channel_address,
+            "channel_tls": self.channel_fingerprint is not None,
+            "payload": self.payload,
+            "placeholders": {
+                PAYLOAD_PATH: "written by the launcher where the node runs",
+                SECRET_PATH: "the run's secret, written by the launcher (mode 0600)",
+                NODE_HOST: "the barrier task's host (Spark's task infos)",
+                RDZV_ENDPOINT: "task 0's rendezvous store, learnt during the run",
+                TASK_GPUS: "the barrier task's GPU addresses (Spark's task resources)",
+                UNKNOWN: "a fact that a dry run does not gather",
+            },
+            "nodes": nodes,
+        }
