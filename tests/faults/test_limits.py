@@ -323,7 +323,7 @@ def test_a_barrier_task_that_raised_fails_the_run_with_spark_s_reason(
     assert first is not None and "failed in Spark" in first.reason
     assert "executor died?" not in text
     logged = [m for m in handler.messages() if "the Spark job failed" in m]
-    assert logged and "File too large" in logged[0] and "barrier.py" in logged[0]
+    assert logged and "File too large" in logged[0] and "node/task.py" in logged[0]
 
 
 def kill_from_the_ui(sc: Any) -> None:
