@@ -24,8 +24,8 @@ from sparktorch_ops import (
     TrainingCancelledError,
     TrainingFailedError,
     TrainingTimeoutError,
-    warm,
 )
+from sparktorch_ops.node import warm
 from sparktorch_ops.wire import env as wire_env
 from sparktorch_ops.wire.env import WARM_PROCESS_ENV
 from tests.support.cluster import cluster_env
