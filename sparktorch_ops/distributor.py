@@ -27,9 +27,9 @@ import pendulum
 from sparktorch_ops import checkpoint, errors, events, options
 from sparktorch_ops.driver.certificate import make_certificate
 from sparktorch_ops.driver.collector import RunCollector
+from sparktorch_ops.driver.facts import gather_facts
 from sparktorch_ops.driver.packing import describe
 from sparktorch_ops.driver.planning import (
-    RunFacts,
     barrier_layout,
     check_slots,
     plan_run,
@@ -318,38 +318,22 @@ def launch_job(job: TrainingJob) -> RunResult:
 
 
 def plan_job(job: TrainingJob) -> RunPlan:
-    """The plan of a job without I/O: placeholders for what only a launch finds out."""
+    """The plan of a job without I/O, from the facts a run gathers (:func:`gather_facts`):
+    placeholders for what only a launch finds out."""
     spec = job.options
-    task_cpus, gpu_amount = 1, None
+    conf_value: Callable[[str], str | None] | None = None
     if not spec.local_mode:
-        # From the job's session when it has one (read, not started), else from its conf;
-        # Spark's defaults otherwise.
+        # From the job's session when it has one (read, not started), else from the settings
+        # it would start with; Spark's defaults otherwise.
         session = job.spark.session
         if session is not None:
-            task_cpus = spark_support.task_cpus(spark_support.conf_source(session))
-            gpu_amount = spark_support.task_gpu_amount(spark_support.conf_source(session))
+            source = spark_support.conf_source(session)
+            conf_value = lambda key: spark_support.conf_value(source, key)  # noqa: E731
         else:
-            conf = dict(job.spark.conf)
-            task_cpus = _conf_number(conf, "spark.task.cpus", int) or 1
-            gpu_amount = _conf_number(conf, "spark.task.resource.gpu.amount", float)
-    facts = RunFacts(
-        run_id=_new_run_id(),
-        python=sys.executable,
-        cpu_count=os.cpu_count(),
-        task_cpus=task_cpus,
-        task_gpu_amount=gpu_amount,
-    )
+            conf = {str(k): str(v) for k, v in job.spark.conf.items()}
+            conf_value = conf.get
+    facts = gather_facts(spec, _new_run_id(), conf_value=conf_value)
     return plan_run(spec, describe(job.payload), facts)
-
-
-def _conf_number(conf: dict[str, str], key: str, kind: Callable[[str], Any]) -> Any:
-    value = conf.get(key)
-    if value is None:
-        return None
-    try:
-        return kind(value)
-    except ValueError:
-        raise errors.ConfigError("spark_conf", f"{key} is not a number: {value!r}") from None
 
 
 class _Run:
@@ -645,19 +629,18 @@ class _Run:
         machine.emit(events.CHANNEL_OPEN, address=server.address, tls=certificate is not None)
         launcher: Launcher | None = None
         try:
-            facts = RunFacts(
-                run_id=self.run_id,
-                python=sys.executable,
+            conf = (lambda key: spark_support.conf_value(sc, key)) if sc is not None else None
+            facts = gather_facts(
+                spec,
+                self.run_id,
+                conf_value=conf,
                 channel_address=server.address,
                 channel_fingerprint=certificate.fingerprint if certificate is not None else None,
                 driver_host=socket.gethostname(),
-                cpu_count=os.cpu_count(),
                 local_gpus=local_gpus,
-                task_cpus=spark_support.task_cpus(sc) if sc is not None else 1,
-                task_gpu_amount=spark_support.task_gpu_amount(sc) if sc is not None else None,
             )
             plan = plan_run(spec, describe(payload), facts)
-            machine.emit(events.PLANNED, nodes=plan.layout.num_tasks)
+            machine.emit(events.PLANNED, nodes=plan.layout.num_tasks, plan=plan.to_dict())
             resumed_from = self._announce_checkpoint()
             self._check_cancelled()
             machine.to(RunState.STARTING)

@@ -486,20 +486,29 @@ def driver_gpus(spark: Any) -> list[str] | None:
     return None if gpu is None else list(gpu.addresses)
 
 
+def task_resources(conf_value: Callable[[str], str | None]) -> tuple[int, float | None]:
+    """``spark.task.cpus`` (default 1) and ``spark.task.resource.gpu.amount`` (None when
+    unset) from a conf lookup: a session's conf, or the settings a session would start with.
+
+    Raises:
+        ConfigError: a value that is not a number, naming its key.
+    """
+    cpus = conf_value("spark.task.cpus")
+    gpus = conf_value("spark.task.resource.gpu.amount")
+    try:
+        task_cpus = int(cpus) if cpus is not None else 1
+    except ValueError:
+        raise ConfigError("spark.task.cpus", f"is not an integer: {cpus!r}") from None
+    try:
+        gpu_amount = float(gpus) if gpus is not None else None
+    except ValueError:
+        raise ConfigError("spark.task.resource.gpu.amount", f"is not a number: {gpus!r}") from None
+    return task_cpus, gpu_amount
+
+
 def task_gpu_amount(sc: SparkContext) -> float | None:
     """``spark.task.resource.gpu.amount`` as a number, or None when unset."""
-    value = conf_value(sc, "spark.task.resource.gpu.amount")
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise ConfigError("spark.task.resource.gpu.amount", f"is not a number: {value!r}") from None
-
-
-def task_cpus(sc: SparkContext) -> int:
-    """``spark.task.cpus`` (default 1)."""
-    return int(conf_value(sc, "spark.task.cpus") or "1")
+    return task_resources(lambda key: conf_value(sc, key))[1]
 
 
 def check_barrier_conf(sc: SparkContext) -> None:

@@ -129,3 +129,35 @@ def test_a_256_mib_value_from_an_executor_arrives_whole(spark: Any) -> None:
     )
     assert isinstance(value, bytes) and len(value) == 256 << 20
     assert value[:256] == bytes(range(256)) and value[-256:] == bytes(range(256))
+
+
+def _world_size() -> int:
+    return int(os.environ["WORLD_SIZE"])
+
+
+def test_the_dry_run_plans_what_the_run_does(spark: Any) -> None:
+    """``plan()`` and the run plan from the same facts: the same plan but for what only a
+    launch learns (the run's id and its channel's address)."""
+    import json
+
+    planned: list[dict[str, Any]] = []
+    distributor = TorchDistributor(
+        num_processes=2,
+        local_mode=False,
+        use_gpu=False,
+        spark=spark,
+        on_event=lambda event: (
+            planned.append(event.detail["plan"]) if event.name == "planned" else None
+        ),
+    )
+    dry = distributor.plan(_world_size).to_dict()
+    assert distributor.run(_world_size) == 2
+    [ran] = planned
+
+    def known(plan: dict[str, Any]) -> str:
+        text = json.dumps(plan, sort_keys=True)
+        text = text.replace(plan["run_id"], "<run_id>")
+        return text.replace(json.dumps(plan["channel_address"]), '"<channel>"')
+
+    assert ran["channel_address"] != dry["channel_address"] == "<unknown>"
+    assert known(ran) == known(dry)
