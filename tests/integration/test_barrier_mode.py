@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from sparktorch_ops import ResourceError, TorchDistributor, TrainingFailedError
+from sparktorch_ops.wire.env import CHANNEL_ENV
 from tests.support.procs import ENV_CONTRACT
 
 ENV_KEYS = ENV_CONTRACT
@@ -155,9 +156,12 @@ def test_the_dry_run_plans_what_the_run_does(spark: Any) -> None:
     [ran] = planned
 
     def known(plan: dict[str, Any]) -> str:
-        text = json.dumps(plan, sort_keys=True)
-        text = text.replace(plan["run_id"], "<run_id>")
-        return text.replace(json.dumps(plan["channel_address"]), '"<channel>"')
+        plan = json.loads(json.dumps(plan))
+        address = plan.pop("channel_address")
+        for node in plan["nodes"]:
+            assert node["env"][CHANNEL_ENV] == address
+            node["env"][CHANNEL_ENV] = "<channel>"
+        return json.dumps(plan, sort_keys=True).replace(plan["run_id"], "<run_id>")
 
     assert ran["channel_address"] != dry["channel_address"] == "<unknown>"
     assert known(ran) == known(dry)

@@ -128,5 +128,6 @@ def test_dry_run_reads_spark_numbers_from_the_conf_and_names_a_bad_one() -> None
 
     plan = plan_job(job({"spark.task.resource.gpu.amount": "2", "spark.task.cpus": "4"}))
     assert (plan.layout.num_tasks, plan.nodes[0].omp_threads) == (1, 2)
-    with pytest.raises(ConfigError, match=r"spark\.task\.cpus is not a number"):
+    with pytest.raises(ConfigError, match=r"spark\.task\.cpus: is not an integer") as info:
         plan_job(job({"spark.task.cpus": "four", "spark.task.resource.gpu.amount": "1"}))
+    assert info.value.argument == "spark.task.cpus"  # as a run reading the session says it
