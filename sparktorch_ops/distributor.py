@@ -40,7 +40,7 @@ from sparktorch_ops.events import RunState, RunStateMachine
 from sparktorch_ops.job import CancelToken, TrainingJob
 from sparktorch_ops.launchers.barrier import BarrierLauncher
 from sparktorch_ops.launchers.base import Launcher
-from sparktorch_ops.launchers.connect import START_DEADLINE_S, ConnectBarrierLauncher, known_slots
+from sparktorch_ops.launchers.connect import ConnectBarrierLauncher, known_slots
 from sparktorch_ops.launchers.local import LocalLauncher
 from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
 from sparktorch_ops.outcome import outcome_of
@@ -765,8 +765,8 @@ class _Run:
         spec = self.spec
         released = False
         start_deadline = spec.start_timeout
-        if start_deadline is None and isinstance(launcher, ConnectBarrierLauncher):
-            start_deadline = START_DEADLINE_S
+        if start_deadline is None:
+            start_deadline = launcher.default_start_timeout
         while True:
             self._check_cancelled()
             elapsed = time.monotonic() - started
@@ -777,18 +777,13 @@ class _Run:
                 connected < spec.num_processes
                 and start_deadline is not None
                 and elapsed > start_deadline
-                and not (isinstance(launcher, BarrierLauncher) and launcher.stage_started)
+                and not launcher.stage_started
             ):
                 raise errors.StartTimeoutError(
                     "start_timeout",
                     start_deadline,
                     f"only {connected} of {spec.num_processes} ranks started"
-                    + (
-                        " (over Spark Connect the free task slots cannot be counted "
-                        "beforehand: the cluster may lack them)"
-                        if isinstance(launcher, ConnectBarrierLauncher)
-                        else ""
-                    ),
+                    + launcher.start_timeout_hint,
                 )
             if collector.result_refused is not None:
                 raise collector.result_refused  # stop rank 0 sending the rest
@@ -798,11 +793,11 @@ class _Run:
                 deadline = time.monotonic() + _EXIT_REPORT_S
                 while not collector.failed_ranks_reported() and time.monotonic() < deadline:
                     time.sleep(_POLL_S / 5)
-                if isinstance(launcher, BarrierLauncher) and collector.lost_something():
+                if launcher.explains_losses and collector.lost_something():
                     return self._spark_cause(launcher, collector)
                 return 1, ""
             if (
-                isinstance(launcher, BarrierLauncher)
+                launcher.needs_release
                 and not released
                 and collector.nodes_done(plan.layout.num_tasks)
             ):
@@ -813,7 +808,7 @@ class _Run:
                 released = True
             status = launcher.poll()  # raises SparkJobKilledError for a kill from the Spark UI
             if status is not None:
-                if isinstance(launcher, BarrierLauncher) and launcher.spark_error is not None:
+                if launcher.spark_error is not None:
                     return self._spark_cause(launcher, collector)
                 return status
             time.sleep(_POLL_S)
@@ -838,7 +833,7 @@ class _Run:
             "later was not read"
         )
 
-    def _spark_cause(self, launcher: BarrierLauncher, collector: RunCollector) -> tuple[int, str]:
+    def _spark_cause(self, launcher: Launcher, collector: RunCollector) -> tuple[int, str]:
         """A barrier task was lost: Spark's own error for the job says why (a task that raised,
         a full disk), or that the job was killed (raises SparkJobKilledError). Wait briefly for
         it; log it and make it the failure's reason."""

@@ -32,6 +32,11 @@ class BarrierLauncher:
             until the driver says the run is over; closing the channel is how it says it.
     """
 
+    default_start_timeout: float | None = None
+    start_timeout_hint = ""
+    explains_losses = True
+    needs_release = True
+
     def __init__(
         self,
         plan: RunPlan,

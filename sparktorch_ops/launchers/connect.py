@@ -83,6 +83,12 @@ class ConnectBarrierLauncher(BarrierLauncher):
         data: DataFrame input, laid out over the tasks (None: none).
     """
 
+    default_start_timeout: float | None = START_DEADLINE_S
+    start_timeout_hint = (
+        " (over Spark Connect the free task slots cannot be counted beforehand: the cluster "
+        "may lack them)"
+    )
+
     def __init__(
         self,
         plan: RunPlan,

@@ -20,7 +20,21 @@ from sparktorch_ops.wire.plan import RunPlan
 
 
 class LocalLauncher:
-    """One torchrun agent on the driver, with every rank."""
+    """One torchrun agent on the driver, with every rank (its rendezvous store is its own)."""
+
+    default_start_timeout: float | None = None
+    start_timeout_hint = ""
+    explains_losses = False  # a lost rank is all there is to say
+    needs_release = False
+    spark_error: str | None = None
+    spark_error_detail = ""
+    stage_started = False
+
+    def look_for_cause(self) -> None:
+        """Nothing beyond the ranks' own reports."""
+
+    def release_rendezvous(self) -> None:
+        """The agent's store ends with the agent."""
 
     def __init__(
         self,
