@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Set up (or refresh) the virtualenv, check style and types, and run the tests.
 #
-#   bash scripts/test.sh               everything (what CI runs): ruff, mypy, the benchmark pages'
-#                                      check, the unit tier with pyspark/Airflow/Prefect/MLflow
-#                                      blocked, then the integration and e2e tiers in one pytest
+#   bash scripts/test.sh               everything (what CI runs): ruff and the benchmark pages'
+#                                      check, then the integration and e2e tiers in one pytest,
+#                                      with mypy and the unit tier (pyspark/Airflow/Prefect/MLflow
+#                                      blocked) beside it on the other core
 #   bash scripts/test.sh -m unit       one selection only: the arguments go to pytest
-#   bash scripts/test.sh -m "not e2e"  (the checks run first either way)
+#   bash scripts/test.sh -m "not e2e"  (ruff, the pages' check and mypy run either way)
 #   bash scripts/test.sh --coverage [ARGS]   the same under coverage.py, rank and agent
 #                                      processes included; the report ends the run
 #
@@ -47,35 +48,46 @@ fi
 
 step ruff ruff check sparktorch_ops tests dags flows examples benchmarks
 step benchmark-pages python benchmarks/run_all.py --markdown --check
-# mypy (single-threaded, ~50 s from a clean clone) beside the first tests, on the other core.
-mypy_log="$(mktemp)"
-mypy_started=$SECONDS
-(
-  status=0
-  mypy > "$mypy_log" 2>&1 || status=$?
-  echo "$((SECONDS - mypy_started))" >> "$mypy_log.time"  # its own time, not the wait for it
-  exit "$status"
-) &
-mypy_pid=$!
-finish_mypy() {
-  local status=0
-  wait "$mypy_pid" || status=$?
-  cat "$mypy_log"
-  echo "== step 'mypy': $(cat "$mypy_log.time") s (beside the tests)"
-  rm -f "$mypy_log" "$mypy_log.time"
+# Checks that need no services run beside the tests, on the other core (the long tiers leave
+# about a fifth of two cores idle); each prints its output and its own time when it is waited for.
+background_pids=()
+background_names=()
+background_logs=()
+beside() {
+  local name="$1" log started=$SECONDS
+  shift
+  log="$(mktemp)"
+  (
+    status=0
+    "$@" > "$log" 2>&1 || status=$?
+    echo "$((SECONDS - started))" > "$log.time"
+    exit "$status"
+  ) &
+  background_pids+=("$!")
+  background_names+=("$name")
+  background_logs+=("$log")
+}
+finish_beside() {
+  local i status=0 one
+  for i in "${!background_pids[@]}"; do
+    one=0
+    wait "${background_pids[$i]}" || one=$?
+    cat "${background_logs[$i]}"
+    echo "== step '${background_names[$i]}': $(cat "${background_logs[$i]}.time") s (beside the tests)"
+    rm -f "${background_logs[$i]}" "${background_logs[$i]}.time"
+    [ "$one" = 0 ] || status=$one
+  done
   return "$status"
 }
+
 status=0
+beside mypy mypy  # single-threaded, ~50 s from a clean clone
 if [ "$#" -eq 0 ]; then
-  step "unit tier (integrations blocked)" "${python[@]}" -m tests.support.blocked_unit_tier -q ||
+  beside "unit tier (integrations blocked)" "${python[@]}" -m tests.support.blocked_unit_tier -q
+  step "integration and e2e tiers" "${python[@]}" -m pytest -ra --durations=25 -m "not unit" ||
     status=$?
-  finish_mypy || status=$?
-  if [ "$status" = 0 ]; then
-    step "integration and e2e tiers" "${python[@]}" -m pytest -ra --durations=25 -m "not unit" ||
-      status=$?
-  fi
 else
   step "pytest $*" "${python[@]}" -m pytest -ra --durations=25 "$@" || status=$?
-  finish_mypy || status=$?
 fi
+finish_beside || status=$?
 exit "$status"
