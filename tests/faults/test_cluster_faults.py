@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 from pyspark.sql import SparkSession
 from sparktorch_ops import TorchDistributor
+from sparktorch_ops.wire.env import RUN_ID_ENV
 from tests.faults.training import long_training, fail_after_ready
 from tests.support.procs import wait_until_gone, warm_processes
 

@@ -235,6 +235,7 @@ def test_spark_encryption_puts_the_channel_under_tls(tmp_path: Path) -> None:
 import os
 from pyspark.sql import SparkSession
 from sparktorch_ops import TorchDistributor
+from sparktorch_ops.wire.env import FINGERPRINT_ENV
 
 spark = (SparkSession.builder.master("local[2]").config("spark.driver.host", "127.0.0.1")
          .config("spark.authenticate", "true").config("spark.authenticate.secret", "s")
