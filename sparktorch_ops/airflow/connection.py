@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlparse, urlunparse
 
-from sparktorch_ops.spark.session import redact_connect_url
+from sparktorch_ops.spark.session import SparkSettings, redact_connect_url
 
 DEFAULT_CONN_ID = "spark_default"
 FALLBACK_MASTER = "local[*]"
@@ -195,6 +195,43 @@ def _connect_connection(conn_id: str, conn: Any, log: Any) -> SparkConnection:
             conn_id,
         )
     return SparkConnection(master, spark_conf_from_extra(extra), conn_id)
+
+
+def session_settings(
+    conn_id: str, spark_conf: Mapping[str, Any], *, local_only: bool, app_name: str, log: Any
+) -> SparkSettings:
+    """The session settings of a task: ``conn_id``'s master and ``spark.*`` extras under the
+    task's ``spark_conf``. ``local_only`` (local mode, no input to read): the connection is
+    not used (an absent default one is fine).
+
+    Raises:
+        MissingConnectionError: ``conn_id`` does not exist (and is not the default).
+        ValueError: the connection cannot be read as a Spark master.
+        ConfigError: settings that contradict each other (a ``spark.master`` in
+            ``spark_conf`` other than the connection's).
+    """
+    if local_only and conn_id == DEFAULT_CONN_ID:
+        # Unused; given, the core warns that local mode does not use it.
+        return SparkSettings(master=None, conf=spark_conf, app_name=app_name)
+    connection = resolve_connection(conn_id, log)
+    if local_only:
+        log.info(
+            "sparktorch_ops: local_mode=True runs the ranks on this worker without Spark; "
+            "connection %r is not used",
+            conn_id,
+        )
+        return SparkSettings(master=None, conf=spark_conf, app_name=app_name)
+    if connection.conn_id is not None:
+        log.info(
+            "sparktorch_ops: Spark master %s from connection %s",
+            redact_connect_url(connection.master),
+            connection.conn_id,
+        )
+    conf = {**connection.conf, **spark_conf}
+    # Without a connection, a spark.master in spark_conf names the master; a connection's
+    # master must not be contradicted (SparkSettings refuses that).
+    master = None if connection.conn_id is None and "spark.master" in conf else connection.master
+    return SparkSettings(master=master, conf=conf, app_name=app_name)
 
 
 def mlflow_uri_from_connection(conn_id: str, log: Any) -> str | None:

@@ -21,7 +21,7 @@ from sparktorch_ops.airflow.connection import (
     DEFAULT_CONN_ID,
     MissingConnectionError,
     mlflow_uri_from_connection,
-    resolve_connection,
+    session_settings,
 )
 from sparktorch_ops.airflow.links import MlflowRunLink, SparkUILink
 from sparktorch_ops.errors import ConfigError, SparkTorchError
@@ -259,47 +259,20 @@ class TorchDistributorOperator(BaseOperator):
         )
 
     def _spark_settings(self) -> SparkSettings:
-        """The Spark session settings from the connection and ``spark_conf`` (local mode: only
-        to read an ``input_*``)."""
-        local_only = self.local_mode and self._data_input() is None
-        if local_only and self.conn_id == DEFAULT_CONN_ID:
-            # Unused; given, the core warns that local mode does not use it.
-            return self._settings(None, self.spark_conf)
+        """The session settings from ``conn_id`` and ``spark_conf`` (local mode: only to read
+        an ``input_*``); a bad connection or conf fails the task without retry."""
         try:
-            connection = resolve_connection(self.conn_id, self.log)
-        except (MissingConnectionError, ValueError) as exc:
-            raise AirflowFailException(str(exc)) from None
-        if local_only:
-            self.log.info(
-                "sparktorch_ops: local_mode=True runs the ranks on this worker without Spark; "
-                "connection %r is not used",
+            return session_settings(
                 self.conn_id,
+                self.spark_conf,
+                local_only=self.local_mode and self._data_input() is None,
+                app_name=f"airflow-{self.dag_id}-{self.task_id}",
+                log=self.log,
             )
-            return self._settings(None, self.spark_conf)
-        if connection.conn_id is not None:
-            self.log.info(
-                "sparktorch_ops: Spark master %s from connection %s",
-                redact_connect_url(connection.master),
-                connection.conn_id,
-            )
-        conf = {**connection.conf, **self.spark_conf}
-        # Without a connection, a spark.master in spark_conf names the master; a connection's
-        # master must not be contradicted (SparkSettings refuses that).
-        master = (
-            None if connection.conn_id is None and "spark.master" in conf else connection.master
-        )
-        return self._settings(master, conf)
-
-    def _settings(self, master: str | None, conf: Mapping[str, Any]) -> SparkSettings:
-        try:
-            return SparkSettings(
-                master=master, conf=conf, app_name=f"airflow-{self.dag_id}-{self.task_id}"
-            )
-        except ConfigError as exc:
-            # The message may quote a Connect URL, token and all.
-            raise AirflowFailException(
-                f"sparktorch_ops: bad input: {redact_connect_url(str(exc))}"
-            ) from exc
+        except (MissingConnectionError, ValueError) as exc:
+            # A ConfigError's message may quote a Connect URL, token and all.
+            prefix = "sparktorch_ops: bad input: " if isinstance(exc, ConfigError) else ""
+            raise AirflowFailException(prefix + redact_connect_url(str(exc))) from exc
 
     def _on_event(self, event: events.PhaseEvent, context: Context) -> None:
         if event.name != events.SESSION_READY:
