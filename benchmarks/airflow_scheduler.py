@@ -5,7 +5,7 @@ after "mark failed" the last process of a barrier-mode training try is gone.
   command (one process runs every task; its own SQLite home), wall time of the command;
 - ``scheduler``: the same DAG run triggered through the REST API of a running installation
   (``airflow scheduler`` with the LocalExecutor, ``airflow dag-processor``, ``airflow
-  api-server``; tests/support/airflow_services.py), wall time from the trigger request until the
+  api-server``; harness/airflow_services.py), wall time from the trigger request until the
   API reports the run ended (each task a supervised process that talks to the execution API);
 - ``mark_failed``: ``tests/airflow/dags/sto_scheduled.py``'s ``sto_scheduled_mark_failed``
   (2 ranks in barrier mode on ``local[2]``, training forever) marked failed through the API once
@@ -34,7 +34,7 @@ from common import Series, log, print_table, ratio
 common.prepare_environment()
 sys.path.insert(0, str(common.ROOT))
 
-from tests.support.airflow_services import (  # noqa: E402
+from harness.airflow_services import (  # noqa: E402
     RankMarkers,
     airflow_command,
     airflow_env,

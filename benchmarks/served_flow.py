@@ -26,7 +26,7 @@ round by round (the order rotated every round):
 
 Every run gets a fresh state directory (so every run appends the same day, trains from scratch
 and registers version 1); every process started here is in a process group of its own and
-killed at the end. The server and the runners are ``tests/support/prefect_served.py``'s.
+killed at the end. The server and the runners are ``harness/prefect_served.py``'s.
 
     python benchmarks/served_flow.py --epochs 1
     python benchmarks/served_flow.py --epochs 2 --repeats 3 --poll 2
@@ -54,7 +54,7 @@ from common import Series, log, median, print_table, ratio
 common.prepare_environment()
 sys.path.insert(0, str(common.ROOT))
 
-from tests.support.prefect_served import (  # noqa: E402
+from harness.prefect_served import (  # noqa: E402
     PrefectServer,
     ServedFlow,
     prefect_env,
@@ -65,7 +65,7 @@ from tests.support.prefect_served import (  # noqa: E402
     wait_for_deployment,
     wait_for_final_state,
 )
-from tests.support.procs import processes_with_marker  # noqa: E402
+from harness.procs import processes_with_marker  # noqa: E402
 
 NAME = "served_flow"
 ROOT = common.ROOT

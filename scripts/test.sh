@@ -46,7 +46,7 @@ if [ "$coverage" = 1 ]; then
   trap report_coverage EXIT  # also when a step fails: the figures of what ran
 fi
 
-step ruff ruff check sparktorch_ops tests dags flows examples benchmarks
+step ruff ruff check sparktorch_ops tests harness dags flows examples benchmarks
 step benchmark-pages python benchmarks/run_all.py --markdown --check
 # Checks that need no services run beside the tests, on the other core (the long tiers leave
 # about a fifth of two cores idle); each prints its output and its own time when it is waited for.

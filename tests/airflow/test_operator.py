@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from harness.procs import wait_until_gone
 from sparktorch_ops import options
 from sparktorch_ops.airflow import load_result
-from tests.support.procs import wait_until_gone
 
 RANK_LINE = re.compile(r"\[(\w+)\s*\] \[rank (\d+)\|[^\]]+\] (.*?) \[airflow\.task")
 RUN_STARTED = re.compile(r"sparktorch_ops: (sparktorch-[0-9a-f]+) started")

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
+from harness.procs import wait_until_gone
 from tests.airflow.conftest import airflow_env, read_xcom
 from tests.support.connect_server import ConnectServer
-from tests.support.procs import wait_until_gone
 
 RUN_STARTED = re.compile(r"sparktorch_ops: (sparktorch-[0-9a-f]+) started")
 HISTORY = "http://history.example:18080"  # as in dags/sto_cluster.py

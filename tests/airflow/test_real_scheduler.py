@@ -1,5 +1,5 @@
 """Under Airflow's real components: the scheduler with the LocalExecutor, the DAG processor and
-the API server (tests/support/airflow_services.py), on SQLite. The example DAG runs on its
+the API server (harness/airflow_services.py), on SQLite. The example DAG runs on its
 schedule; barrier-mode training is marked failed, times out and is retried, and no process of
 a stopped try is left.
 """
@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-from tests.airflow.conftest import ROOT, TEST_DAGS
-from tests.support.airflow_services import (
+from harness.airflow_services import (
     AirflowServices,
     RankMarkers,
     RankWatcher,
     running_airflow,
     seconds_until_gone,
 )
+from tests.airflow.conftest import ROOT, TEST_DAGS
 
 FAULT_DAGS = ("sto_scheduled_mark_failed", "sto_scheduled_timeout", "sto_scheduled_flaky")
 ERROR_LEVELS = {"error", "critical", "exception", "fatal"}

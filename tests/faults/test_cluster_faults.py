@@ -19,7 +19,7 @@ from pyspark.sql import SparkSession
 from sparktorch_ops import TorchDistributor
 from sparktorch_ops.wire.env import RUN_ID_ENV
 from tests.faults.training import long_training, fail_after_ready
-from tests.support.procs import wait_until_gone, warm_processes
+from harness.procs import wait_until_gone, warm_processes
 
 spark = (SparkSession.builder.master({master!r}).config("spark.driver.host", "127.0.0.1")
          .config("spark.executor.memory", "1g").getOrCreate())

@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
+from harness.procs import wait_until_gone
 from sparktorch_ops import (
     ResultTooLargeError,
     SparkJobKilledError,
@@ -28,7 +29,6 @@ from sparktorch_ops.results import OUTPUT_CUT_NOTE
 from sparktorch_ops.wire.env import RUN_ID_ENV
 from tests.faults.training import long_training
 from tests.support.driver import run_driver
-from tests.support.procs import wait_until_gone
 from tests.support.records import Collect
 
 

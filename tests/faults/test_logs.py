@@ -13,8 +13,8 @@ from typing import Any
 import psutil
 import pytest
 
+from harness.procs import processes_with_marker
 from sparktorch_ops import TorchDistributor
-from tests.support.procs import processes_with_marker
 from tests.support.records import Collect
 
 

@@ -31,10 +31,11 @@ from typing import Any
 import psutil
 import pytest
 
+from harness.ports import free_port
+from harness.procs import processes_with_marker, wait_until_gone
 from sparktorch_ops.wire.env import RUN_ID_ENV
-from tests.support.cluster import cluster_env, free_port, spark_home, stop_process_groups
+from tests.support.cluster import cluster_env, spark_home, stop_process_groups
 from tests.support.driver import ROOT
-from tests.support.procs import processes_with_marker, wait_until_gone
 
 pytestmark = pytest.mark.cluster
 

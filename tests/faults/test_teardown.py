@@ -14,6 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
+from harness.procs import wait_until_gone
 from sparktorch_ops import (
     StartTimeoutError,
     TorchDistributor,
@@ -23,7 +24,6 @@ from sparktorch_ops import (
 )
 from sparktorch_ops.wire.env import RUN_ID_ENV
 from tests.faults.training import fail_after_ready, hang_in_collective, long_training
-from tests.support.procs import wait_until_gone
 
 MODES = ["local", "barrier"]
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
+from harness.procs import wait_until_gone
 from sparktorch_ops.distributor import TorchDistributor
-from tests.support.procs import wait_until_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))

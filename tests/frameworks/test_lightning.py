@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
+from harness.procs import wait_until_gone
 from sparktorch_ops.distributor import TorchDistributor
 from sparktorch_ops.errors import TrainingFailedError
 from sparktorch_ops.lightning import lightning_trainer_kwargs
-from tests.support.procs import wait_until_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "lightning_digits.py"

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from harness.procs import ENV_CONTRACT
 from sparktorch_ops import ResourceError, TorchDistributor, TrainingFailedError
 from sparktorch_ops.wire.env import CHANNEL_ENV
-from tests.support.procs import ENV_CONTRACT
 
 ENV_KEYS = ENV_CONTRACT
 

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.support.procs import wait_until_gone
+from harness.procs import wait_until_gone
 
 SCRIPT = """\
 import os, sys, time

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from harness.procs import wait_until_gone
 from sparktorch_ops import (
     ConfigError,
     ResourceError,
@@ -29,7 +30,6 @@ from sparktorch_ops import (
     TrainingTimeoutError,
 )
 from tests.support.connect_server import ConnectServer
-from tests.support.procs import wait_until_gone
 from tests.support.records import Collect
 
 UNREACHABLE = "192.0.2.1"  # TEST-NET-1: no executor reaches it

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from harness.procs import ENV_CONTRACT, cuda_touched_before_fork_env
 from sparktorch_ops import (
     ConfigError,
     TorchDistributor,
@@ -20,7 +21,6 @@ from sparktorch_ops import (
     report,
 )
 from tests.support.driver import run_driver
-from tests.support.procs import ENV_CONTRACT, cuda_touched_before_fork_env
 
 ENV_KEYS = ENV_CONTRACT
 

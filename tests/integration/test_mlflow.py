@@ -17,8 +17,8 @@ import pytest
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
+from harness.ports import free_port
 from sparktorch_ops import ConfigError, TorchDistributor, TrainingFailedError, report
-from tests.support.cluster import free_port
 from tests.support.mlflow_server import MlflowServer, start_mlflow_server
 
 STEPS = 3

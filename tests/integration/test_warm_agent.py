@@ -19,6 +19,12 @@ from typing import Any
 import psutil
 import pytest
 
+from harness.procs import (
+    alive,
+    cuda_touched_before_fork_env,
+    wait_until_gone,
+    warm_processes,
+)
 from sparktorch_ops import (
     TorchDistributor,
     TrainingCancelledError,
@@ -30,12 +36,6 @@ from sparktorch_ops.wire import env as wire_env
 from sparktorch_ops.wire.env import WARM_PROCESS_ENV
 from tests.support.cluster import cluster_env
 from tests.support.driver import ROOT
-from tests.support.procs import (
-    alive,
-    cuda_touched_before_fork_env,
-    wait_until_gone,
-    warm_processes,
-)
 
 
 @pytest.fixture(autouse=True)

@@ -100,8 +100,8 @@ def task_runs(flow_run_id: UUID, count: int = 1) -> list[Any]:
 def prefect_runner(prefect_api: str) -> Callable[..., Any]:
     """``with prefect_runner(script, args, workdir=...) as served:`` serves a flow script with a
     Prefect runner subprocess against the session's API (``serve_flow_script`` of
-    tests/support/prefect_served.py); tests that use it are e2e."""
-    from tests.support.prefect_served import serve_flow_script
+    harness/prefect_served.py); tests that use it are e2e."""
+    from harness.prefect_served import serve_flow_script
 
     return functools.partial(serve_flow_script, api_url=prefect_api)
 

@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.prefect.conftest import flow_run_artifacts, flow_run_logs, run_ids, task_runs
-from tests.support.prefect_served import (
+from harness.prefect_served import (
     ServedFlow,
     describe,
     flow_run_process,
@@ -24,7 +23,8 @@ from tests.support.prefect_served import (
     wait_for_deployment,
     wait_for_final_state,
 )
-from tests.support.procs import alive, processes_with_marker, wait_until_gone
+from harness.procs import alive, processes_with_marker, wait_until_gone
+from tests.prefect.conftest import flow_run_artifacts, flow_run_logs, run_ids, task_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 RETRAIN_SCRIPT = ROOT / "flows" / "retrain_digits.py"

@@ -15,6 +15,7 @@ from uuid import UUID
 import pytest
 from prefect import flow
 
+from harness.procs import wait_until_gone
 from sparktorch_ops import options as launch_options
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.prefect import (
@@ -28,7 +29,6 @@ from sparktorch_ops.results import MetricRecord
 from tests.prefect.conftest import flow_run_artifacts, flow_run_logs, run_ids, task_runs
 from tests.support.connect_server import ConnectServer
 from tests.support.launch_options import BAD
-from tests.support.procs import wait_until_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 

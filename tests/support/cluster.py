@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,12 +15,7 @@ from pathlib import Path
 
 import pyspark
 
-
-def free_port() -> int:
-    """A port that was free a moment ago (fine for test daemons that fail loudly if taken)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from harness.ports import free_port
 
 
 def spark_home() -> str:

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import psutil
 
-from tests.support.cluster import cluster_env, free_port, spark_home
-from tests.support.procs import alive, group_members
+from harness.ports import free_port
+from harness.procs import alive, group_members
+from tests.support.cluster import cluster_env, spark_home
 
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 

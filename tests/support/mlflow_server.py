@@ -20,8 +20,8 @@ from pathlib import Path
 
 import psutil
 
-from tests.support.cluster import free_port
-from tests.support.procs import group_members
+from harness.ports import free_port
+from harness.procs import group_members
 
 
 @dataclass

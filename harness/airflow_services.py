@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 import psutil
 
-from tests.support.cluster import free_port
-from tests.support.procs import alive, processes_with_marker
+from harness.ports import free_port
+from harness.procs import alive, processes_with_marker
 
 COMPONENTS = {
     "api-server": ["api-server", "--host", "127.0.0.1", "--port", "{port}"],

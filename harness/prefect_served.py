@@ -32,8 +32,8 @@ from uuid import UUID
 
 import psutil
 
-from tests.support.cluster import free_port
-from tests.support.procs import alive, group_members
+from harness.ports import free_port
+from harness.procs import alive, group_members
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Carried by every process a served script starts (its value is unique to the script).
