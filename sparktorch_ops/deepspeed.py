@@ -66,30 +66,6 @@ def script_argv(script_path: str, script_args: Sequence[Any], config_path: str |
     return argv
 
 
-def torchrun_command(
-    script_path: str,
-    script_args: Sequence[Any],
-    config_path: str | None,
-    *,
-    nproc_per_node: int,
-    nnodes: int = 1,
-    python: str = "python",
-) -> list[str]:
-    """The equivalent plain ``torchrun`` command line, for a dry run or the docs.
-
-    TorchDistributor starts torchrun with its own rendezvous and bootstrap options; what
-    the script receives is exactly what this command would pass it.
-    """
-    return [
-        python,
-        "-m",
-        "torch.distributed.run",
-        f"--nnodes={nnodes}",
-        f"--nproc-per-node={nproc_per_node}",
-        *script_argv(script_path, script_args, config_path),
-    ]
-
-
 def load_config(config: DeepspeedConfig) -> ConfigPayload | None:
     """Read ``deepspeedConfig`` on the driver: a dict becomes JSON, a path its file's text.
 

@@ -301,7 +301,8 @@ def after_run(agent: AgentProcess | ForkedAgent, succeeded: bool) -> None:
 
 
 def shutdown() -> None:
-    """Stop every warm process of this launcher (tests; interpreter exit closes them too)."""
+    """Stop every warm process this process keeps now (each holds an interpreter with torch
+    imported; interpreter exit closes them too); a later run starts a new one."""
     with _servers_lock:
         servers = list(_servers.values())
         _servers.clear()
