@@ -35,7 +35,7 @@ from sparktorch_ops.driver.planning import (
     plan_run,
     select_local_gpus,
 )
-from sparktorch_ops.driver.tracking import MlflowTracker, loggable_params
+from sparktorch_ops.driver.tracking import MlflowTracker, start_tracking
 from sparktorch_ops.events import RunState, RunStateMachine
 from sparktorch_ops.job import CancelToken, TrainingJob
 from sparktorch_ops.launchers.barrier import BarrierLauncher
@@ -351,8 +351,11 @@ class _Run:
 
     def execute(self) -> RunResult:
         self._check_cancelled()  # cancelled while the job was being built
-        if self.spec.tracked:
-            self._start_tracking()  # here: MLflow's active run is the caller thread's
+        if self.spec.tracked:  # here: MLflow's active run is the caller thread's
+            job = self.job
+            self.tracker = start_tracking(
+                self.spec, self.run_id, describe(job.payload), job.args, job.kwargs, self.log
+            )
         try:
             outcome = self._execute()
         except BaseException as exc:
@@ -366,22 +369,7 @@ class _Run:
             )
         return outcome
 
-    def _start_tracking(self) -> None:
-        spec, job = self.spec, self.job
-        tracker = MlflowTracker(
-            spec.mlflow_experiment,
-            spec.mlflow_tracking_uri,
-            all_ranks=spec.mlflow_all_ranks,
-            log=self.log,
-        )
-        train = describe(job.payload)
-        tracker.start(
-            run_name=f"{train} {self.run_id}",
-            params=loggable_params(train, job.args, job.kwargs, spec),
-            tags={"sparktorch_ops.run_id": self.run_id, **spec.mlflow_tags},
-        )
-        self.tracker = tracker
-
+    # The run's observers: MLflow (when tracked), then the caller's hooks.
     def _on_metrics(self, record: MetricRecord) -> None:
         if self.tracker is not None:
             self.tracker.on_metrics(record)
@@ -389,14 +377,8 @@ class _Run:
             self.spec.on_metrics(record)
 
     def _on_event(self, event: events.PhaseEvent) -> None:
-        if self.tracker is not None and event.name == events.SESSION_READY:
-            self.tracker.set_tags(
-                {
-                    "spark.app_id": event.detail.get("app_id"),
-                    "spark.ui_url": event.detail.get("ui_url"),
-                    "spark.master": event.detail.get("master"),
-                }
-            )
+        if self.tracker is not None:
+            self.tracker.on_event(event)
         if self.spec.on_event is not None:
             self.spec.on_event(event)
 

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.events import SESSION_READY
 
 _PARAM_VALUE_LIMIT = 6000  # MLflow's limit on a param value
 _BATCH_LIMIT = 1000  # MLflow's limit on metrics per log_batch
@@ -186,6 +187,17 @@ class MlflowTracker:
             if value is not None:
                 self._queue.put(("tag", key, str(value)))
 
+    def on_event(self, event: Any) -> None:
+        """A phase event of the run: the session's, once ready, tags the run."""
+        if event.name == SESSION_READY:
+            self.set_tags(
+                {
+                    "spark.app_id": event.detail.get("app_id"),
+                    "spark.ui_url": event.detail.get("ui_url"),
+                    "spark.master": event.detail.get("master"),
+                }
+            )
+
     def finish(self, outcome: Any) -> None:
         """Flush the metrics, then end the run with the outcome's status.
 
@@ -268,3 +280,19 @@ class MlflowTracker:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def start_tracking(
+    spec: Any, run_id: str, train: str, args: Any, kwargs: Mapping[str, Any], log: Any
+) -> MlflowTracker:
+    """Start the MLflow run of one training run of ``spec`` (``train`` describes what runs);
+    on the caller's thread, so that it nests under the caller's active MLflow run."""
+    tracker = MlflowTracker(
+        spec.mlflow_experiment, spec.mlflow_tracking_uri, all_ranks=spec.mlflow_all_ranks, log=log
+    )
+    tracker.start(
+        run_name=f"{train} {run_id}",
+        params=loggable_params(train, args, kwargs, spec),
+        tags={"sparktorch_ops.run_id": run_id, **spec.mlflow_tags},
+    )
+    return tracker
