@@ -17,6 +17,7 @@ import contextvars
 import logging
 import re
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +32,9 @@ from prefect.artifacts import (
 )
 
 from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.events import SESSION_READY
 from sparktorch_ops.outcome import outcome_of
-from sparktorch_ops.results import MetricRecord, RunResult
+from sparktorch_ops.results import MetricRecord, RunResult, latest_values
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -380,6 +382,71 @@ class RunArtifacts:
                 )
                 self._warned = True
             return None
+
+
+class TrainingReport:
+    """What one task run says about its training, from launch to end: the summary, and the
+    artifacts when there is a recorder (None: no artifacts).
+
+    Args:
+        recorder: the run's artifact recorder, or None.
+        timeout_seconds: the task's Prefect timeout (its expiry arrives as a cancellation).
+    """
+
+    def __init__(self, recorder: RunArtifacts | None, timeout_seconds: float | None) -> None:
+        self.recorder = recorder
+        self._timeout_seconds = timeout_seconds
+        self._session: dict[str, Any] = {}
+        self._started = time.monotonic()
+        self.summary: RunSummary | None = None
+
+    def on_event(self, event: Any) -> None:
+        """The run's phase events: the session's ids, once ready."""
+        if event.name == SESSION_READY:
+            self._session.update(event.detail)
+
+    def start(self, title: str, num_processes: int, mode: str, use_gpu: bool) -> None:
+        """The launch begins: a running summary, live progress."""
+        self.summary = RunSummary(
+            title=title,
+            status="running",
+            num_processes=num_processes,
+            mode=mode,
+            use_gpu=use_gpu,
+            duration_s=0.0,
+        )
+        self._started = time.monotonic()
+        if self.recorder is not None:
+            self.recorder.start()
+
+    def failed(self, exc: BaseException) -> None:
+        """The launch raised ``exc``: say how it ended."""
+        summary = self.summary
+        assert summary is not None, "start() first"
+        summary.status, summary.error = describe_error(exc, self._timeout_seconds)
+        summary.duration_s = time.monotonic() - self._started
+        summary.app_id, summary.ui_url = self._session.get("app_id"), self._session.get("ui_url")
+        if self.recorder is None:
+            return
+        summary.final_metrics = latest_values(list(self.recorder.records), 0)
+        if isinstance(exc, (Exception, asyncio.CancelledError)):
+            # Prefect's own timeout arrives as a CancelledError before it becomes
+            # TaskRunTimeoutError; other BaseExceptions (the SIGTERM of a cancelled flow
+            # run, Ctrl-C) mean the process is going away: no time for artifacts then.
+            created = self._session.get("created")
+            self.recorder.finish(summary, completed=False, session_created=created)
+        else:
+            self.recorder.close()
+
+    def completed(self, result: RunResult, where: str) -> RunSummary:
+        """The training completed; ``where``: where rank 0's value went."""
+        summary = self.summary
+        assert summary is not None, "start() first"
+        summary.complete(result, where)
+        if self.recorder is not None:
+            created = self._session.get("created")
+            self.recorder.finish(summary, completed=True, session_created=created)
+        return summary
 
 
 def ui_description(url: str | None, created: bool | None) -> str:

@@ -13,17 +13,15 @@ outright, the ranks die with it (parent-death signal and channel watchdog in the
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
-from sparktorch_ops import events, options
+from sparktorch_ops import options
 from sparktorch_ops.distributor import launch_job
 from sparktorch_ops.driver.packing import describe
 from sparktorch_ops.errors import ConfigError
@@ -31,9 +29,8 @@ from sparktorch_ops.job import build_job
 from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
 from sparktorch_ops.prefect.artifacts import (
     RunArtifacts,
-    RunSummary,
+    TrainingReport,
     check_artifact_key,
-    describe_error,
     key_from_name,
 )
 from sparktorch_ops.prefect.blocks import SparkCluster, load_block, resolve_tracking_uri
@@ -43,7 +40,6 @@ from sparktorch_ops.prefect.results import (
     result_location,
     retry_unless_bad_input,
 )
-from sparktorch_ops.results import latest_values
 from sparktorch_ops.spark.dataframe import DataInput
 from sparktorch_ops.spark.session import SparkSettings, validate_conf
 
@@ -172,12 +168,7 @@ def run_torch_distributor(
         if artifacts
         else None
     )
-    session: dict[str, Any] = {}
-
-    def on_event(event: events.PhaseEvent) -> None:
-        if event.name == events.SESSION_READY:
-            session.update(event.detail)
-
+    report = TrainingReport(recorder, ctx.task.timeout_seconds if ctx is not None else None)
     data = DataInput.given(dataframe, input_sql, input_table, input_path, input_format)
     launch = {
         **options.values_of("task", locals()),
@@ -192,7 +183,7 @@ def run_torch_distributor(
         mlflow_tags=_prefect_tags(ctx),
         logger=logger,
         on_metrics=recorder.on_metrics if recorder is not None else None,
-        on_event=on_event,
+        on_event=report.on_event,
         data=data,
         **launch,
     )
@@ -203,39 +194,13 @@ def run_torch_distributor(
         job.mode,
         f"; artifacts {prefix}-*" if recorder is not None else "",
     )
-    if recorder is not None:
-        recorder.start()
-    started = time.monotonic()
-    summary = RunSummary(
-        title=run_name,
-        status="running",
-        num_processes=job.options.num_processes,
-        mode=job.mode,
-        use_gpu=use_gpu,
-        duration_s=0.0,
-    )
+    report.start(run_name, job.options.num_processes, job.mode, use_gpu)
     try:
         result = launch_job(job)
     except BaseException as exc:
-        summary.status, summary.error = describe_error(
-            exc, ctx.task.timeout_seconds if ctx is not None else None
-        )
-        summary.duration_s = time.monotonic() - started
-        summary.app_id, summary.ui_url = session.get("app_id"), session.get("ui_url")
-        if recorder is not None:
-            summary.final_metrics = latest_values(list(recorder.records), 0)
-            if isinstance(exc, (Exception, asyncio.CancelledError)):
-                # Prefect's own timeout arrives as a CancelledError before it becomes
-                # TaskRunTimeoutError; other BaseExceptions (the SIGTERM of a cancelled flow
-                # run, Ctrl-C) mean the process is going away: no time for artifacts then.
-                recorder.finish(summary, completed=False, session_created=session.get("created"))
-            else:
-                recorder.close()
+        report.failed(exc)
         raise
-
-    summary.complete(result, result_location(ctx, result.value))
-    if recorder is not None:
-        recorder.finish(summary, completed=True, session_created=session.get("created"))
+    summary = report.completed(result, result_location(ctx, result.value))
     logger.info(
         "%d processes finished in %.1f s; final metrics of rank 0: %s",
         result.num_processes,
