@@ -24,7 +24,6 @@ from sparktorch_ops.deepspeed import (
     run_script_on_rank,
     script_argv,
     shim_source,
-    torchrun_command,
 )
 from sparktorch_ops.errors import ConfigError, TrainingFailedError
 
@@ -50,24 +49,6 @@ def test_script_argv_without_config_passes_only_the_flag() -> None:
     assert script_argv("train.py", [], None) == ["train.py", "--deepspeed"]
 
 
-def test_torchrun_command_is_the_plain_equivalent() -> None:
-    assert torchrun_command(
-        "train.py", ["--epochs=1"], "ds.json", nproc_per_node=4, nnodes=2, python="python3"
-    ) == [
-        "python3",
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=2",
-        "--nproc-per-node=4",
-        "train.py",
-        "--epochs=1",
-        "--deepspeed",
-        "--deepspeed_config",
-        "ds.json",
-    ]
-
-
-# -- the configuration ------------------------------------------------------------------------
 def test_dict_config_becomes_json() -> None:
     payload = load_config({"zero_optimization": {"stage": 2}, "train_batch_size": 8})
     assert payload is not None
