@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparktorch_ops import events
+from sparktorch_ops.driver.coordinator import Coordinator
 from sparktorch_ops.errors import ResultTooLargeError
 from sparktorch_ops.results import OUTPUT_CUT_NOTE, MetricRecord, RankFailure
 from sparktorch_ops.wire import channel
 from sparktorch_ops.wire.messages import (
-    DATA,
     EXIT,
     FAILURE,
     METRIC,
@@ -43,7 +43,6 @@ from sparktorch_ops.wire.messages import (
     SHARDS,
     STDERR,
     STDOUT,
-    DataLayout,
     ExitReport,
     FailureReport,
     Hello,
@@ -215,10 +214,7 @@ class RunCollector(channel.ChannelHandler):
         self.open_peers: dict[int, Hello] = {}
         self.nodes_exited: dict[int, int | None] = {}
         self.nodes_seen: set[int] = set()
-        self._node_peers: dict[int, channel.Peer] = {}
-        self._rendezvous: RendezvousPort | None = None
-        self._data_nodes: int | None = None
-        self._shards: dict[int, list[int]] = {}
+        self.coordinator = Coordinator(lambda reason: self._fail(AGENT, reason), self._on_phase)
         self._retried = False
         self.lost_nodes: dict[int, str] = {}
 
@@ -234,14 +230,13 @@ class RunCollector(channel.ChannelHandler):
                 if hello.node in self.nodes_seen:
                     self._retried = True
                 self.nodes_seen.add(hello.node)
-                self._node_peers[peer.conn_id] = peer
-                if self._rendezvous is not None:
-                    peer.reply(RDZV, self._rendezvous.encode())
             if hello.role == "supervisor":
                 assert hello.rank is not None
                 state = self.ranks.setdefault(hello.rank, _RankState())
                 state.host = hello.host or peer.address.rsplit(":", 1)[0]
                 state.attempt = hello.attempt
+        if hello.role == "node":
+            self.coordinator.node_connected(peer)
         phase = {
             "node": events.NODE_CONNECTED,
             "supervisor": events.SUPERVISOR_CONNECTED,
@@ -265,9 +260,9 @@ class RunCollector(channel.ChannelHandler):
         if hello.role == "node":
             assert hello.node is not None
             if kind == RDZV:
-                self._rendezvous_ready(RendezvousPort.decode(payload))
+                self.coordinator.rendezvous_ready(RendezvousPort.decode(payload))
             elif kind == SHARDS:
-                self._shards_written(hello.node, ShardSizes.decode(payload))
+                self.coordinator.shards_written(hello.node, ShardSizes.decode(payload))
             elif kind == EXIT:
                 code = ExitReport.decode(payload).exit_code
                 with self._lock:
@@ -301,7 +296,7 @@ class RunCollector(channel.ChannelHandler):
         hello = peer.hello
         with self._lock:
             self.open_peers.pop(peer.conn_id, None)
-            self._node_peers.pop(peer.conn_id, None)
+        self.coordinator.node_closed(peer)
         if hello.attempt < self.attempt:
             return
         if hello.role == "supervisor":
@@ -318,42 +313,9 @@ class RunCollector(channel.ChannelHandler):
                 AGENT, f"barrier task {hello.node} on {hello.host} was lost (executor died?)"
             )
 
-    def _rendezvous_ready(self, port: RendezvousPort) -> None:
-        """Task 0 hosts the store: pass its port to every task (those yet to connect too)."""
-        if port.error is not None:
-            self._fail(AGENT, port.error)
-            return
-        self._rendezvous = port
-        with self._lock:
-            peers = list(self._node_peers.values())
-        for node_peer in peers:
-            node_peer.reply(RDZV, port.encode())
-        self._on_phase(events.RENDEZVOUS_READY, node=0, port=port.port)
-
-    def expect_shards(self, tasks: int) -> None:
-        """Barrier mode with DataFrame input: ``tasks`` tasks will report shard sizes."""
-        self._data_nodes = tasks
-
     def data_ready(self, rows: int) -> None:
         """Local mode: the driver wrote every rank's shard."""
         self._on_phase(events.DATA_READY, rows=rows)
-
-    def _shards_written(self, node: int, sizes: ShardSizes) -> None:
-        """Once every task wrote its shards: tell each the rows per rank per epoch (the
-        largest shard), or fail the run when a rank got no rows at all."""
-        with self._lock:
-            self._shards[node] = list(sizes.rows)
-            if self._data_nodes is None or len(self._shards) < self._data_nodes:
-                return
-            shards = dict(self._shards)
-            peers = list(self._node_peers.values())
-        layout = DataLayout.for_shards(shards)
-        for node_peer in peers:
-            node_peer.reply(DATA, layout.encode())
-        if layout.error is not None:
-            self._fail(AGENT, layout.error)
-            return
-        self._on_phase(events.DATA_READY, rows=sum(map(sum, shards.values())))
 
     # -- state -------------------------------------------------------------------------------
     def _new_attempt(self, attempt: int) -> None:

@@ -22,16 +22,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.launchers.barrier import BarrierLauncher
 from sparktorch_ops.node.relay import RelayedFrame, Replayer
 from sparktorch_ops.node.task import STAGE_DDL, BarrierTask, TaskReport, stage_row_item, stage_rows
 from sparktorch_ops.spark.dataframe import PreparedInput
 from sparktorch_ops.spark.session import (
-    conf_value,
     connect_endpoint,
     connect_server_reachable,
-    parse_master,
 )
 from sparktorch_ops.wire import channel
 from sparktorch_ops.wire.payload import Payload
@@ -42,29 +39,6 @@ from sparktorch_ops.wire.plan import RunPlan
 START_DEADLINE_S = 120.0
 _INTERRUPT_WAIT_S = 5.0
 _SERVER_CHECK_S = 5.0
-
-
-def known_slots(session: Any) -> int | None:
-    """Barrier slots of the server's application when its master fixes them (``local[N]``,
-    ``local-cluster[N,C,M]``), else None (a cluster manager's executors come and go)."""
-    master = conf_value(session, "spark.master") or ""
-    try:
-        parsed = parse_master(master)
-    except ConfigError:
-        return None
-    task_cpus = int(conf_value(session, "spark.task.cpus") or "1")
-    inside = parsed.url[parsed.url.find("[") + 1 : -1] if "[" in parsed.url else ""
-    if parsed.kind == "local":
-        if not inside:
-            return 1 // task_cpus
-        threads = inside.split(",")[0]
-        if threads == "*":
-            return None  # the server's core count: not known here
-        return int(threads) // task_cpus
-    if parsed.kind == "local-cluster":
-        workers, cores = (int(part) for part in inside.split(",")[:2])
-        return workers * (cores // task_cpus)
-    return None
 
 
 class ConnectBarrierLauncher(BarrierLauncher):
@@ -220,4 +194,4 @@ class ConnectBarrierLauncher(BarrierLauncher):
         interrupt_thread.join(_INTERRUPT_WAIT_S)
 
 
-__all__ = ["START_DEADLINE_S", "ConnectBarrierLauncher", "known_slots"]
+__all__ = ["START_DEADLINE_S", "ConnectBarrierLauncher"]

@@ -1,4 +1,4 @@
-"""Spark: the one session factory, master URLs, preflight checks, job tags, UI URL.
+"""Spark: the one session factory, master URLs, settings, job tags, UI URL.
 
 pyspark is imported only here, and only when a session is used. Everything that builds, reuses
 or stops a SparkSession for sparktorch_ops (the distributor, the Airflow operator, the Prefect
@@ -12,21 +12,16 @@ import os
 import re
 import socket
 import sys
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sparktorch_ops.driver.planning import check_slots, registration_grace
-from sparktorch_ops.errors import ConfigError, StartTimeoutError
+from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.spark import jvm_log
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
 
-_PYTHON_SETTING = "PYSPARK_PYTHON (or spark.pyspark.python)"
-# Executors that passed the probe, by (application id, executor ids): a new executor is probed.
-_PROBED: dict[tuple[str, str], list[dict[str, Any]]] = {}
 
 #: The conf key read for a History Server link (besides YARN's own setting).
 HISTORY_SERVER_CONF = "spark.sparktorch.historyServer.url"
@@ -511,161 +506,12 @@ def task_gpu_amount(sc: SparkContext) -> float | None:
     return task_resources(lambda key: conf_value(sc, key))[1]
 
 
-def check_barrier_conf(sc: SparkContext) -> None:
-    """Settings that barrier mode cannot run with.
-
-    Raises:
-        ConfigError: dynamic allocation on.
-    """
-    if conf_true(sc, "spark.dynamicAllocation.enabled"):
-        raise ConfigError(
-            "local_mode",
-            "barrier mode (local_mode=False) cannot run with spark.dynamicAllocation.enabled="
-            "true (Spark forbids barrier stages then); disable dynamic allocation for this "
-            "application or use local_mode=True",
-        )
-
-
 ENCRYPTION_CONF = ("spark.ssl.enabled", "spark.network.crypto.enabled")
 
 
 def encryption_enabled(sc: SparkContext) -> tuple[str, ...]:
     """Which of Spark's encryption settings are on (the channel then uses TLS)."""
     return tuple(key for key in ENCRYPTION_CONF if conf_true(sc, key))
-
-
-def available_slots(sc: SparkContext) -> int:
-    """How many tasks of the default resource profile the cluster can run at once, now."""
-    jsc = sc._jsc.sc()
-    profile = jsc.resourceProfileManager().defaultResourceProfile()
-    return int(jsc.maxNumConcurrentTasks(profile))
-
-
-def _registration_grace_s(sc: SparkContext) -> float:
-    """How long this application may still wait for its executors to register (see planning)."""
-    jconf = sc._jsc.sc().conf()
-    waiting_ms = int(jconf.getTimeAsMs("spark.scheduler.maxRegisteredResourcesWaitingTime", "30s"))
-    app_age_s = max(0.0, time.time() - sc.startTime / 1000)
-    try:
-        in_process = parse_master(sc.master or "").in_process
-    except ConfigError:
-        in_process = False
-    return registration_grace(in_process, app_age_s, waiting_ms / 1000)
-
-
-def expected_executors(master: str, executor_instances: str | None) -> int | None:
-    """How many executors the application will get, where Spark says it (else None).
-
-    Lets the start-up wait end as soon as they have all registered, so that too few slots on a
-    fixed-size cluster still fail within seconds.
-    """
-    if executor_instances is not None and executor_instances.strip().isdigit():
-        return int(executor_instances)
-    try:
-        return parse_master(master).executors
-    except ConfigError:
-        return None
-
-
-def _executor_count(sc: SparkContext) -> int:
-    # getExecutorIds lists executors only, never the driver.
-    return int(sc._jsc.sc().getExecutorIds().size())
-
-
-def wait_for_slots(
-    sc: SparkContext,
-    required_tasks: int,
-    start_timeout: float | None,
-    cancelled: Callable[[], bool],
-) -> None:
-    """Wait until the cluster has ``required_tasks`` barrier slots, or fail before launch.
-
-    Without ``start_timeout`` a run waits only while a just-started application's executors
-    may still be registering (Spark's own start-up wait, cut short once every executor Spark
-    expects is there); with it, up to ``start_timeout``.
-
-    Raises:
-        ResourceError: too few slots and no start_timeout.
-        StartTimeoutError: still too few when start_timeout ran out.
-    """
-    if start_timeout is None:
-        wait_s = _registration_grace_s(sc)
-        expected = expected_executors(sc.master or "", conf_value(sc, "spark.executor.instances"))
-    else:
-        wait_s, expected = start_timeout, None
-    deadline = time.monotonic() + wait_s
-    while True:
-        # Registration first: the slots read after it count every executor it saw.
-        everyone_registered = expected is not None and _executor_count(sc) >= expected
-        slots = available_slots(sc)
-        if slots >= required_tasks or cancelled():
-            return
-        if everyone_registered or time.monotonic() >= deadline:
-            break
-        time.sleep(0.25)
-    if start_timeout is not None:
-        raise StartTimeoutError(
-            "start_timeout",
-            start_timeout,
-            f"the run needs {required_tasks} barrier task slots but only {slots} registered",
-        )
-    check_slots(required_tasks, slots, waited=False)
-
-
-def probe_executors(sc: SparkContext, num_tasks: int) -> list[dict[str, Any]]:
-    """Run a small non-barrier job that checks the executors' Python and imports.
-
-    Done once per set of executors of an application (a replaced executor is probed again).
-
-    Raises:
-        ConfigError: naming PYSPARK_PYTHON, for another Python version or missing packages.
-    """
-    from pyspark import cloudpickle as spark_cloudpickle
-
-    from sparktorch_ops.node import probe as _probe
-
-    executors = (sc.applicationId, str(sc._jsc.sc().getExecutorIds().toString()))
-    if executors in _PROBED:
-        return _PROBED[executors]
-    driver_python = f"{sys.version_info.major}.{sys.version_info.minor}"
-    spark_cloudpickle.register_pickle_by_value(_probe)
-    try:
-        rdd = sc.parallelize(range(num_tasks), num_tasks).mapPartitions(_probe.probe_executor)
-        sc.setLocalProperty("spark.job.description", "sparktorch_ops: executor check")
-        try:
-            found: list[dict[str, Any]] = rdd.collect()
-        finally:
-            sc.setLocalProperty("spark.job.description", None)  # type: ignore[arg-type]
-    except Exception as exc:
-        text = str(exc)
-        if "PYTHON_VERSION_MISMATCH" in text or "different version" in text:
-            raise ConfigError(
-                _PYTHON_SETTING,
-                f"the executors run another Python version than the driver ({driver_python}); "
-                f"set {_PYTHON_SETTING} to a Python {driver_python} interpreter that has torch "
-                "and sparktorch_ops",
-            ) from None
-        raise
-    finally:
-        spark_cloudpickle.unregister_pickle_by_value(_probe)
-    for executor in found:
-        if executor["python"] != driver_python:
-            raise ConfigError(
-                _PYTHON_SETTING,
-                f"executor {executor['host']} runs Python {executor['python']} "
-                f"({executor['executable']}) but the driver runs {driver_python}; set "
-                f"{_PYTHON_SETTING} to a Python {driver_python} interpreter",
-            )
-        if executor["missing"]:
-            missing = "; ".join(f"{k} ({v})" for k, v in executor["missing"].items())
-            raise ConfigError(
-                _PYTHON_SETTING,
-                f"the executors' Python {executor['executable']} on {executor['host']} cannot "
-                f"import: {missing}. Install sparktorch-ops (with torch) there, or set "
-                f"{_PYTHON_SETTING} to an interpreter that has them",
-            )
-    _PROBED[executors] = found
-    return found
 
 
 def ui_url(sc: SparkContext | Any) -> str | None:

@@ -23,7 +23,7 @@ from sparktorch_ops import (
     TorchDistributor,
     TrainingFailedError,
 )
-from sparktorch_ops import distributor as distributor_module
+from sparktorch_ops.driver import supervise
 from sparktorch_ops.driver.collector import TAIL_CHARS
 from sparktorch_ops.results import OUTPUT_CUT_NOTE
 from sparktorch_ops.wire.env import RUN_ID_ENV
@@ -173,7 +173,7 @@ class HoldOnLine(Collect):
 def test_a_drain_that_times_out_marks_the_value_and_warns(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(distributor_module, "_DRAIN_S", 2.0)
+    monkeypatch.setattr(supervise, "DRAIN_S", 2.0)
     logger = logging.getLogger(f"test.limits.hold.{id(object())}")
     logger.propagate = False
     logger.setLevel(logging.DEBUG)

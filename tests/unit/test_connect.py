@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from sparktorch_ops.errors import ConfigError
-from sparktorch_ops.launchers.connect import known_slots
 from sparktorch_ops.node.relay import CLOSED_RECORD, HELLO_RECORD, Relay, RelayedFrame, Replayer
 from sparktorch_ops.node.task import TaskReport, stage_row_item, stage_rows
+from sparktorch_ops.spark.preflight import known_slots
 from sparktorch_ops.spark.session import parse_master, redact_connect_url
 from sparktorch_ops.spec import LaunchSpec
 from sparktorch_ops.wire import channel

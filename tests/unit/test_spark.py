@@ -8,6 +8,7 @@ import pytest
 
 from sparktorch_ops.driver import planning
 from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.spark import preflight
 from sparktorch_ops.spark import session as spark_support
 from sparktorch_ops.spark.session import SparkSettings, parse_master
 
@@ -82,9 +83,9 @@ def test_in_process_masters_get_no_registration_grace() -> None:
 
 
 def test_expected_executors_from_instances_or_local_cluster() -> None:
-    assert spark_support.expected_executors("local-cluster[2,1,1024]", None) == 2
-    assert spark_support.expected_executors("yarn", "4") == 4
-    assert spark_support.expected_executors("spark://127.0.0.1:7077", "3") == 3
-    assert spark_support.expected_executors("spark://127.0.0.1:7077", None) is None
-    assert spark_support.expected_executors("k8s://x", "not-a-number") is None
-    assert spark_support.expected_executors("not a master", None) is None
+    assert preflight.expected_executors("local-cluster[2,1,1024]", None) == 2
+    assert preflight.expected_executors("yarn", "4") == 4
+    assert preflight.expected_executors("spark://127.0.0.1:7077", "3") == 3
+    assert preflight.expected_executors("spark://127.0.0.1:7077", None) is None
+    assert preflight.expected_executors("k8s://x", "not-a-number") is None
+    assert preflight.expected_executors("not a master", None) is None

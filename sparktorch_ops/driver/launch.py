@@ -1,0 +1,202 @@
+"""The second part of a run: the channel, the plan, and the launcher that starts the ranks.
+
+:func:`launch` opens the channel (TLS when Spark encrypts its own traffic), gathers the facts
+and plans once (:func:`~sparktorch_ops.driver.facts.gather_facts`, as the dry run does), picks
+the launcher for the mode and starts it. It yields a :class:`Launched` for supervision; leaving
+it tears the ranks down if the run raised, then closes the channel and finishes the launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from sparktorch_ops import events
+from sparktorch_ops.driver import resume
+from sparktorch_ops.driver.certificate import make_certificate
+from sparktorch_ops.driver.collector import RunCollector
+from sparktorch_ops.driver.facts import gather_facts
+from sparktorch_ops.driver.packing import describe
+from sparktorch_ops.driver.planning import plan_run
+from sparktorch_ops.driver.prepare import Prepared
+from sparktorch_ops.events import RunState, RunStateMachine
+from sparktorch_ops.launchers.barrier import BarrierLauncher
+from sparktorch_ops.launchers.base import Launcher
+from sparktorch_ops.launchers.connect import ConnectBarrierLauncher
+from sparktorch_ops.launchers.local import LocalLauncher
+from sparktorch_ops.results import MetricRecord
+from sparktorch_ops.spark import session as spark_support
+from sparktorch_ops.spec import LaunchSpec
+from sparktorch_ops.wire.channel import ChannelServer
+from sparktorch_ops.wire.payload import FunctionCall, Payload
+from sparktorch_ops.wire.plan import RunPlan
+from sparktorch_ops.wire.tls import ChannelCertificate
+
+_COLLATERAL_S = 3.0  # how long a teardown waits for the other ranks to hang up
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A started run: its plan, the launcher, the channel and what arrived over it."""
+
+    plan: RunPlan
+    launcher: Launcher
+    collector: RunCollector
+    server: ChannelServer
+    resumed_from: int | None  # the checkpoint step the ranks resume from
+
+
+def _channel_host(spec: LaunchSpec, sc: Any) -> tuple[str, str | None]:
+    """Where the channel listens and, if different, the host tasks are told to reach."""
+    if spec.channel_host is not None:
+        return ("::" if ":" in spec.channel_host else "0.0.0.0"), spec.channel_host
+    if sc is None:
+        return "127.0.0.1", None
+    if spark_support.is_connect_session(sc):
+        return spark_support.client_address_toward_server(sc), None
+    return spark_support.driver_host(sc), None
+
+
+def _channel_certificate(spec: LaunchSpec, sc: Any) -> ChannelCertificate | None:
+    """A TLS certificate for the channel when Spark encrypts its own traffic (barrier mode;
+    the local mode's channel never leaves loopback), unless the user opted out."""
+    if sc is None or spec.allow_unencrypted_channel:
+        return None
+    if not spark_support.encryption_enabled(sc):
+        return None
+    return make_certificate()
+
+
+def _say_unreachable(
+    run_id: str, address: str, log: logging.Logger
+) -> Callable[[dict[int, str]], None]:
+    def say(reasons: dict[int, str]) -> None:
+        tasks = ", ".join(str(node) for node in sorted(reasons))
+        log.warning(
+            "sparktorch_ops: %s: barrier task(s) %s could not reach this client's channel "
+            "at %s (%s), so their ranks' output, metrics and result arrived with the "
+            "stage's result, not live. For live logs, pass channel_host= an address of "
+            "this machine that the executors can reach",
+            run_id,
+            tasks,
+            address,
+            next(iter(reasons.values())),
+        )
+
+    return say
+
+
+def _launcher(
+    plan: RunPlan,
+    payload: Payload,
+    secret: str,
+    prepared: Prepared,
+    server: ChannelServer,
+    collector: RunCollector,
+    log: logging.Logger,
+) -> Launcher:
+    """The launcher for the plan's mode: local, a classic barrier stage, or one over Connect."""
+    sc, data = prepared.sc, prepared.data
+    if sc is None:
+        return LocalLauncher(plan, payload, secret, collector, data)
+    if data is not None:
+        collector.coordinator.expect_shards(plan.layout.num_tasks)
+    if spark_support.is_connect_session(sc):
+        return ConnectBarrierLauncher(
+            plan,
+            payload,
+            secret,
+            sc,
+            release=server.close,
+            handler=collector,
+            on_unreachable=_say_unreachable(plan.run_id, server.address, log),
+            data=data,
+        )
+    return BarrierLauncher(plan, payload, secret, sc, release=server.close, data=data)
+
+
+@contextlib.contextmanager
+def launch(
+    spec: LaunchSpec,
+    payload: Payload,
+    run_id: str,
+    prepared: Prepared,
+    machine: RunStateMachine,
+    log: logging.Logger,
+    *,
+    on_metrics: Callable[[MetricRecord], None] | None,
+    check_cancelled: Callable[[], None],
+) -> Iterator[Launched]:
+    """Start the ranks; on leaving, tear them down if the run raised, then clean up."""
+
+    def on_phase(name: str, **where: Any) -> None:
+        # A phase seen on the channel; the last rank to connect makes the run RUNNING.
+        machine.emit(name, **where)
+        if name == events.SUPERVISOR_CONNECTED and collector.started_ranks() >= spec.num_processes:
+            machine.advance(RunState.STARTING, RunState.RUNNING)
+
+    collector = RunCollector(
+        log,
+        log_ranks=spec.log_ranks,
+        on_metrics=on_metrics,
+        max_restarts=spec.max_restarts,
+        keep_rank0_stdout=not isinstance(payload, FunctionCall),
+        on_phase=on_phase,
+        max_result_bytes=spec.max_result_bytes,
+    )
+    sc = prepared.sc
+    host, advertise = _channel_host(spec, sc)
+    secret = secrets.token_hex(32)
+    certificate = _channel_certificate(spec, sc)
+    server = ChannelServer(
+        host,
+        collector,
+        log,
+        secret,
+        tls=certificate.server_context() if certificate is not None else None,
+        advertise=advertise,
+    )
+    machine.emit(events.CHANNEL_OPEN, address=server.address, tls=certificate is not None)
+    launcher: Launcher | None = None
+    try:
+        facts = gather_facts(
+            spec,
+            run_id,
+            conf_value=(lambda key: spark_support.conf_value(sc, key)) if sc is not None else None,
+            channel_address=server.address,
+            channel_fingerprint=certificate.fingerprint if certificate is not None else None,
+            driver_host=socket.gethostname(),
+            local_gpus=prepared.local_gpus,
+        )
+        plan = plan_run(spec, describe(payload), facts)
+        machine.emit(events.PLANNED, nodes=plan.layout.num_tasks, plan=plan.to_dict())
+        resumed_from = resume.announce(spec, log)
+        check_cancelled()
+        machine.to(RunState.STARTING)
+        launcher = _launcher(plan, payload, secret, prepared, server, collector, log)
+        launcher.start()
+        machine.emit(events.LAUNCHER_STARTED)
+        log.info(
+            "sparktorch_ops: %s started %d ranks in %s mode",
+            run_id,
+            spec.num_processes,
+            spec.mode,
+        )
+        yield Launched(plan, launcher, collector, server, resumed_from)
+    except BaseException:
+        if launcher is not None:
+            machine.emit(events.TEARDOWN)
+            collector.begin_teardown()
+            launcher.teardown()
+            server.drain(collector.all_disconnected, _COLLATERAL_S)
+        raise
+    finally:
+        server.close()
+        if launcher is not None:
+            launcher.finish()
+            machine.emit(events.LAUNCHER_FINISHED)

@@ -1,0 +1,135 @@
+"""The first part of a run: a Spark session where the run needs one, its checks, the input.
+
+:func:`prepare` yields what the launch needs (the session's conf source, the driver's GPUs,
+the checked DataFrame input) and stops a session it started once the run is over, whatever
+its outcome.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from sparktorch_ops import events
+from sparktorch_ops.driver.planning import select_local_gpus
+from sparktorch_ops.events import RunStateMachine
+from sparktorch_ops.job import TrainingJob
+from sparktorch_ops.spark import preflight
+from sparktorch_ops.spark import session as spark_support
+from sparktorch_ops.spark.dataframe import PreparedInput, prepare_input
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a launch starts from.
+
+    Attributes:
+        sc: barrier mode: the SparkContext, or the Connect session standing in for one;
+            None in local mode.
+        local_gpus: local mode with ``use_gpu``: the GPUs the ranks get, one each.
+        data: the job's DataFrame input, resolved and checked (None without one).
+    """
+
+    sc: Any
+    local_gpus: tuple[str, ...] | None
+    data: PreparedInput | None
+
+
+def _machine_gpu_count() -> int:
+    """GPUs this machine has; torch is imported only when a GPU driver is present."""
+    if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")):
+        return 0
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+def _local_gpus(job: TrainingJob) -> tuple[str, ...] | None:
+    spec = job.options
+    if not spec.use_gpu:
+        return None
+    # Only the session's driver GPUs matter here; no session is started for them.
+    session = job.spark.session or spark_support.active_session()
+    return tuple(
+        select_local_gpus(
+            spec.num_processes,
+            spark_driver_gpus=spark_support.driver_gpus(session),
+            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            device_count=_machine_gpu_count(),
+        )
+    )
+
+
+@contextlib.contextmanager
+def _session(job: TrainingJob, log: logging.Logger) -> Iterator[spark_support.SessionHandle]:
+    handle = spark_support.get_session(job.spark, log)
+    try:
+        yield handle
+    finally:
+        try:
+            spark_support.stop_session(handle)
+        except Exception:  # must not hide the run's own outcome
+            log.warning("sparktorch_ops: could not stop Spark", exc_info=True)
+
+
+@contextlib.contextmanager
+def prepare(
+    job: TrainingJob,
+    machine: RunStateMachine,
+    log: logging.Logger,
+    check_cancelled: Callable[[], None],
+) -> Iterator[Prepared]:
+    """Get the run ready to launch: a session and barrier mode's checks, or local mode's GPUs;
+    the DataFrame input checked (one Spark job). Raises what the checks find."""
+    spec = job.options
+
+    def checked_input(session: Any) -> PreparedInput | None:
+        if job.data is None:
+            return None
+        prepared = prepare_input(job.data, session)
+        machine.emit(events.INPUT_CHECKED, **prepared.facts.summary())
+        check_cancelled()
+        return prepared
+
+    if spec.local_mode:
+        if job.data is None:
+            if job.spark.configured:
+                log.warning(
+                    "sparktorch_ops: the Spark master and settings are not used with "
+                    "local_mode=True (the ranks run on this machine); pass local_mode=False "
+                    "to train on the Spark cluster"
+                )
+            yield Prepared(None, _local_gpus(job), None)
+        elif job.data.dataframe is not None:
+            # The DataFrame's own session streams it to the driver.
+            data = checked_input(job.data.dataframe.sparkSession)
+            yield Prepared(None, _local_gpus(job), data)
+        else:
+            # SQL, a table or a path: a session from the job's settings reads it.
+            with _session(job, log) as handle:
+                data = checked_input(handle.session)
+                yield Prepared(None, _local_gpus(job), data)
+        return
+    with _session(job, log) as handle:
+        session = handle.session
+        sc = spark_support.conf_source(session)  # a Connect session stands in for a context
+        connect = spark_support.is_connect_session(session)
+        machine.emit(
+            events.SESSION_READY,
+            app_id=spark_support.app_id(sc),
+            ui_url=spark_support.ui_url(sc),
+            master=spark_support.master_of(sc),
+            created=handle.created,
+            connect=connect,
+        )
+        check_cancelled()
+        if connect:
+            preflight.check_barrier_over_connect(session, spec, machine.emit)
+        else:
+            preflight.check_barrier(sc, spec, lambda: job.cancel_token.cancelled, machine.emit)
+            check_cancelled()
+        yield Prepared(sc, None, checked_input(session))

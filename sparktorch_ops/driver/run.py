@@ -1,0 +1,179 @@
+"""One run on the driver: prepare -> launch -> supervise -> finish.
+
+:class:`Run` holds the run's identity, its state machine (:mod:`sparktorch_ops.events`) and
+its observers (MLflow when tracked, then the caller's ``on_event`` / ``on_metrics``); each part
+lives in its own module: :mod:`~sparktorch_ops.driver.prepare` (session, checks, input),
+:mod:`~sparktorch_ops.driver.launch` (channel, plan, launcher),
+:mod:`~sparktorch_ops.driver.supervise` and :mod:`~sparktorch_ops.driver.finish`.
+A helper thread drives the run while the caller's thread waits in plain Python, so that
+Ctrl-C or an orchestrator's timeout reaches the caller and becomes a cancel.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import threading
+import time
+import uuid
+
+import pendulum
+
+from sparktorch_ops import errors, events
+from sparktorch_ops.driver.console import PACKAGE_LOGGER, console
+from sparktorch_ops.driver.finish import rank0_value, run_result
+from sparktorch_ops.driver.launch import launch
+from sparktorch_ops.driver.packing import describe
+from sparktorch_ops.driver.prepare import prepare
+from sparktorch_ops.driver.supervise import POLL_S, Supervisor
+from sparktorch_ops.driver.tracking import MlflowTracker, start_tracking
+from sparktorch_ops.events import RunState, RunStateMachine
+from sparktorch_ops.job import TrainingJob
+from sparktorch_ops.outcome import outcome_of
+from sparktorch_ops.results import MetricRecord, RunResult
+
+_CANCEL_WAIT_S = 60.0  # how long an interrupted caller waits for the run to be torn down
+
+
+def new_run_id() -> str:
+    """A fresh run id (also the thread's name and the prefix of the run's log lines)."""
+    return f"sparktorch-{uuid.uuid4().hex[:16]}"
+
+
+class Run:
+    """One launch of a job."""
+
+    def __init__(self, job: TrainingJob) -> None:
+        self.job = job
+        self.spec = job.options
+        self.run_id = new_run_id()
+        self.log = self.spec.logger or PACKAGE_LOGGER
+        self.machine = RunStateMachine(self.run_id, self._on_event, self.log)
+        self._done = False
+        self._outcome: RunResult | BaseException | None = None
+        self._tracker: MlflowTracker | None = None
+
+    def execute(self) -> RunResult:
+        """Run the job to its end (see :meth:`TorchDistributor.run` for what it raises)."""
+        self.check_cancelled()  # cancelled while the job was being built
+        if self.spec.tracked:  # here: MLflow's active run is the caller thread's
+            job = self.job
+            self._tracker = start_tracking(
+                self.spec, self.run_id, describe(job.payload), job.args, job.kwargs, self.log
+            )
+        try:
+            outcome = self._wait()
+        except BaseException as exc:
+            if self._tracker is not None:
+                self._tracker.finish(exc)
+            raise
+        if self._tracker is not None:
+            self._tracker.finish(outcome)
+            outcome = dataclasses.replace(
+                outcome, mlflow_run_id=self._tracker.run_id, mlflow_run_url=self._tracker.url
+            )
+        return outcome
+
+    def check_cancelled(self) -> None:
+        """Raise TrainingCancelledError once the job's cancel token is set."""
+        reason = self.job.cancel_token.reason
+        if reason is not None:
+            raise errors.TrainingCancelledError(reason)
+
+    # The run's observers: MLflow (when tracked), then the caller's hooks.
+    def _on_metrics(self, record: MetricRecord) -> None:
+        if self._tracker is not None:
+            self._tracker.on_metrics(record)
+        if self.spec.on_metrics is not None:
+            self.spec.on_metrics(record)
+
+    def _on_event(self, event: events.PhaseEvent) -> None:
+        if self._tracker is not None:
+            self._tracker.on_event(event)
+        if self.spec.on_event is not None:
+            self.spec.on_event(event)
+
+    def _wait(self) -> RunResult:
+        context = contextvars.copy_context()
+        thread = threading.Thread(
+            target=context.run, args=(self._drive,), name=self.run_id, daemon=True
+        )
+        thread.start()
+        try:
+            while not self._done:
+                time.sleep(POLL_S)
+        except BaseException as exc:
+            # Interrupted (Ctrl-C, an orchestrator's timeout or kill): stop the run, then let
+            # the interruption propagate.
+            self.job.cancel_token.cancel(
+                f"the waiting thread was interrupted by {type(exc).__name__}"
+            )
+            deadline = time.monotonic() + _CANCEL_WAIT_S
+            while not self._done and time.monotonic() < deadline:
+                try:
+                    time.sleep(POLL_S)
+                except BaseException:
+                    continue
+            raise
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        assert self._outcome is not None
+        return self._outcome
+
+    def _drive(self) -> None:
+        uses_console = self.spec.logger is None and console.acquire()
+        try:
+            self._outcome = self._run()
+            final = RunState.SUCCEEDED
+        except BaseException as exc:
+            self._outcome = exc
+            final = _final_state(exc)
+        finally:
+            if uses_console:
+                console.release()
+        try:
+            self.machine.finish(final)  # the final event reaches on_event before run() returns
+        finally:
+            self._done = True
+
+    def _run(self) -> RunResult:
+        spec, machine, log, payload = self.spec, self.machine, self.log, self.job.payload
+        started_at = pendulum.now("UTC")
+        started = time.monotonic()
+        machine.to(RunState.PREPARING)
+        machine.emit(events.PAYLOAD_PACKED, payload=describe(payload))
+        with prepare(self.job, machine, log, self.check_cancelled) as prepared:
+            with launch(
+                spec,
+                payload,
+                self.run_id,
+                prepared,
+                machine,
+                log,
+                on_metrics=self._on_metrics if spec.tracked or spec.on_metrics else None,
+                check_cancelled=self.check_cancelled,
+            ) as launched:
+                supervisor = Supervisor(
+                    spec, self.run_id, launched, started, self.check_cancelled, log
+                )
+                code, note = supervisor.watch()
+                machine.to(RunState.FINISHING)
+                collector = launched.collector
+                if code == 0 and not collector.failed:
+                    supervisor.drain()
+                    machine.emit(events.DRAINED)
+                if code != 0 or collector.failed:
+                    raise errors.TrainingFailedError(collector.failures(), note)
+                value = rank0_value(collector, payload)
+            return run_result(spec, launched, prepared, value, started_at, log)
+
+
+_FINAL_STATES = {
+    "cancelled": RunState.CANCELLED,
+    "timed_out": RunState.TIMED_OUT,
+}
+
+
+def _final_state(error: BaseException) -> RunState:
+    """The state a run that raised ``error`` ends in: the outcome mapping's, one place."""
+    return _FINAL_STATES.get(outcome_of(error).status, RunState.FAILED)

@@ -1,0 +1,153 @@
+"""The third part of a run: watch the launched ranks until the run ends one way or another.
+
+:class:`Supervisor` polls the launcher (behind its protocol: it never asks which kind it holds)
+and the collector for the run's limits (``timeout``, ``start_timeout``), a refused result, a
+fatal rank failure (with Spark's own error for a lost barrier task) and the ranks' exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from sparktorch_ops import errors
+from sparktorch_ops.driver.launch import Launched
+from sparktorch_ops.spec import LaunchSpec
+
+POLL_S = 0.05
+DRAIN_S = 10.0  # how long a finished run waits for the ranks' last frames
+EXIT_REPORT_S = 2.0  # how long a failed rank's exit report may follow its failure
+SPARK_CAUSE_S = 3.0  # how long a lost barrier task's Spark error may take to arrive
+
+
+class Supervisor:
+    """Watches one launched run.
+
+    Args:
+        spec: the run's options (its limits).
+        run_id: for log lines.
+        launched: the started run.
+        started: ``time.monotonic()`` when the run began (the limits count from there).
+        check_cancelled: raises TrainingCancelledError once the run is cancelled.
+        log: the run's logger.
+    """
+
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        run_id: str,
+        launched: Launched,
+        started: float,
+        check_cancelled: Callable[[], None],
+        log: logging.Logger,
+    ) -> None:
+        self._spec = spec
+        self._run_id = run_id
+        self._launched = launched
+        self._started = started
+        self._check_cancelled = check_cancelled
+        self._log = log
+
+    def watch(self) -> tuple[int, str]:
+        """Wait for the run's end: the exit code (0: every rank succeeded) and a note.
+
+        Raises:
+            TrainingTimeoutError, StartTimeoutError: a limit ran out.
+            TrainingCancelledError: the run was cancelled.
+            ResultTooLargeError: rank 0's result is over ``max_result_bytes``.
+            SparkJobKilledError: the job was killed from Spark's UI.
+        """
+        spec = self._spec
+        launcher, collector = self._launched.launcher, self._launched.collector
+        released = False
+        start_deadline = spec.start_timeout
+        if start_deadline is None:
+            start_deadline = launcher.default_start_timeout
+        while True:
+            self._check_cancelled()
+            elapsed = time.monotonic() - self._started
+            if spec.timeout is not None and elapsed > spec.timeout:
+                raise errors.TrainingTimeoutError("timeout", spec.timeout)
+            connected = collector.started_ranks()
+            if (
+                connected < spec.num_processes
+                and start_deadline is not None
+                and elapsed > start_deadline
+                and not launcher.stage_started
+            ):
+                raise errors.StartTimeoutError(
+                    "start_timeout",
+                    start_deadline,
+                    f"only {connected} of {spec.num_processes} ranks started"
+                    + launcher.start_timeout_hint,
+                )
+            if collector.result_refused is not None:
+                raise collector.result_refused  # stop rank 0 sending the rest
+            if collector.fatal:
+                # The failed rank reports its exit a moment after its failure: wait for that
+                # (briefly) so the error has the exit code before the others are torn down.
+                deadline = time.monotonic() + EXIT_REPORT_S
+                while not collector.failed_ranks_reported() and time.monotonic() < deadline:
+                    time.sleep(POLL_S / 5)
+                if launcher.explains_losses and collector.lost_something():
+                    return self._spark_cause()
+                return 1, ""
+            if (
+                launcher.needs_release
+                and not released
+                and collector.nodes_done(self._launched.plan.layout.num_tasks)
+            ):
+                # Every agent is done with the rendezvous store; the supervisors' last frames
+                # are read before the release closes the channel.
+                self.drain()
+                launcher.release_rendezvous()
+                released = True
+            status = launcher.poll()  # raises SparkJobKilledError for a kill from the Spark UI
+            if status is not None:
+                if launcher.spark_error is not None:
+                    return self._spark_cause()
+                return status
+            time.sleep(POLL_S)
+
+    def drain(self) -> None:
+        """Read what the ranks still send until every rank has hung up; when that does not
+        happen in time, say so (in the log and in a script's value) instead of losing it."""
+        collector = self._launched.collector
+        num_processes = self._spec.num_processes
+        if self._launched.server.drain(lambda: collector.supervisors_done(num_processes), DRAIN_S):
+            return
+        if collector.incomplete is None:
+            self._log.warning(
+                "sparktorch_ops: %s: not every rank hung up within %g s of finishing (a process "
+                "a rank started may still hold its connection); output, metrics or the result "
+                "sent after that are lost",
+                self._run_id,
+                DRAIN_S,
+            )
+        collector.mark_incomplete(
+            f"not every rank had hung up {DRAIN_S:g} s after the run ended; output sent "
+            "later was not read"
+        )
+
+    def _spark_cause(self) -> tuple[int, str]:
+        """A barrier task was lost: Spark's own error for the job says why (a task that raised,
+        a full disk), or that the job was killed (raises SparkJobKilledError). Wait briefly for
+        it; log it and make it the failure's reason."""
+        launcher, collector = self._launched.launcher, self._launched.collector
+        launcher.look_for_cause()
+        deadline = time.monotonic() + SPARK_CAUSE_S
+        while launcher.poll() is None and time.monotonic() < deadline:
+            self._check_cancelled()
+            time.sleep(POLL_S)
+        status = launcher.poll()
+        if launcher.spark_error is None:
+            return 1, ""
+        self._log.warning(
+            "sparktorch_ops: %s: the Spark job failed: %s",
+            self._run_id,
+            launcher.spark_error_detail,
+        )
+        if collector.explain_lost_nodes(launcher.spark_error):
+            return 1, ""  # the lost task's failure says it: once is enough
+        return status if status is not None else (1, "")
