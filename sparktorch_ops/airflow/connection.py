@@ -253,3 +253,15 @@ def mlflow_uri_from_connection(conn_id: str, log: Any) -> str | None:
     if uri:
         log.info("sparktorch_ops: MLflow tracking URI from connection %s", conn_id)
     return str(uri) if uri else None
+
+
+def mlflow_tracking_uri(
+    uri: str | None, experiment: str | None, conn_id: str, log: Any
+) -> str | None:
+    """A task's tracking URI: the rendered ``mlflow_tracking_uri``, else (when tracking is on)
+    that of connection ``conn_id`` if it exists, else None (``MLFLOW_TRACKING_URI``)."""
+    if uri:
+        return uri
+    if not experiment:
+        return None
+    return mlflow_uri_from_connection(conn_id, log)

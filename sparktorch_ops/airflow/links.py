@@ -10,7 +10,8 @@ otherwise an empty link.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperatorLink
 
@@ -31,6 +32,20 @@ class SparkUILink(BaseOperatorLink):
         (the UI reads it from there); the operator keeps the link up to date while it runs.
         """
         return str(getattr(operator, "spark_ui_link", None) or "")
+
+    def publish(self, detail: Mapping[str, Any], ti: Any, log: Any) -> str:
+        """The session is up (``detail``: its SESSION_READY event's): push its UI to XCom
+        for the button, and return the link to keep for the end of the task (only a History
+        Server page outlives a session the task started)."""
+        url = str(detail.get("ui_url") or "")
+        if url:
+            log.info("sparktorch_ops: Spark UI: %s", url)
+            try:
+                ti.xcom_push(key=self.xcom_key, value=url)
+            except Exception:
+                log.warning("sparktorch_ops: could not store the Spark UI link", exc_info=True)
+        lasting = not detail.get("created") or "/history/" in url
+        return url if lasting else ""
 
 
 class MlflowRunLink(BaseOperatorLink):

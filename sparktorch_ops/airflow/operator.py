@@ -16,11 +16,11 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from sparktorch_ops import events, options
-from sparktorch_ops.airflow import storage
+from sparktorch_ops.airflow import storage, task_instance
 from sparktorch_ops.airflow.connection import (
     DEFAULT_CONN_ID,
     MissingConnectionError,
-    mlflow_uri_from_connection,
+    mlflow_tracking_uri,
     session_settings,
 )
 from sparktorch_ops.airflow.links import MlflowRunLink, SparkUILink
@@ -34,7 +34,7 @@ from sparktorch_ops.spark.session import SparkSettings, redact_connect_url
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-    from sparktorch_ops.results import MetricRecord, RunResult
+    from sparktorch_ops.results import MetricRecord
 
 
 class TorchTrainingError(AirflowException):
@@ -190,20 +190,25 @@ class TorchDistributorOperator(BaseOperator):
         token = self._cancel_token
         try:
             data = self._data_input()
+            ti: Any = context["ti"]
+            location = str(self.result_location or storage.default_result_location())
             launch = {
                 **options.values_of("operator", self),
-                "checkpoint_dir": self._checkpoint_dir(context),
-                "mlflow_tracking_uri": self._mlflow_tracking_uri(),
+                "checkpoint_dir": self.checkpoint_dir
+                or task_instance.default_checkpoint_dir(ti, location),
+                "mlflow_tracking_uri": mlflow_tracking_uri(
+                    self.mlflow_tracking_uri, self.mlflow_experiment, self.mlflow_conn_id, self.log
+                ),
             }
             job = build_job(
                 train=self.train,
                 train_args=self.train_args,
                 train_kwargs=self.train_kwargs,
                 spark=self._spark_settings(),
-                mlflow_tags=_airflow_tags(context),
+                mlflow_tags=task_instance.mlflow_tags(ti),
                 logger=self.log,
                 on_metrics=self._on_metrics,
-                on_event=lambda event: self._on_event(event, context),
+                on_event=lambda event: self._on_event(event, ti),
                 cancel_token=token,
                 data=data,
                 **launch,
@@ -219,7 +224,19 @@ class TorchDistributorOperator(BaseOperator):
             raise TorchTrainingError(outcome.message) from exc
         finally:
             self._cancel_token = CancelToken()  # a kill of this try is not the next try's
-        return self._summary(result, context)
+        try:
+            return storage.xcom_summary(
+                result,
+                location=location,
+                key=task_instance.result_key(ti),
+                max_bytes=self.max_xcom_value_bytes,
+                log=self.log,
+            )
+        except Exception as exc:
+            raise TorchTrainingError(
+                f"training succeeded but rank 0's value could not be written to "
+                f"{location!r}: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def on_kill(self) -> None:
         """Cancel the run: the Spark job is interrupted and every process of the run ends.
@@ -229,28 +246,6 @@ class TorchDistributorOperator(BaseOperator):
         ``execute`` tears the run down and raises.
         """
         self._cancel_token.cancel("the Airflow task was killed (on_kill)")
-
-    def _mlflow_tracking_uri(self) -> str | None:
-        """The rendered ``mlflow_tracking_uri``, else the ``mlflow_conn_id`` connection's (when
-        tracking is on and the connection exists), else None (``MLFLOW_TRACKING_URI``)."""
-        if self.mlflow_tracking_uri:
-            return self.mlflow_tracking_uri
-        if not self.mlflow_experiment:
-            return None
-        return mlflow_uri_from_connection(self.mlflow_conn_id, self.log)
-
-    def _checkpoint_dir(self, context: Context) -> str | None:
-        """The rendered ``checkpoint_dir``, else the task instance's own (kept across tries)."""
-        if self.checkpoint_dir:
-            return self.checkpoint_dir
-        ti: Any = context["ti"]
-        return storage.checkpoint_location(
-            str(self.result_location or storage.default_result_location()),
-            ti.dag_id,
-            ti.run_id,
-            ti.task_id,
-            getattr(ti, "map_index", -1),
-        )
 
     def _data_input(self) -> DataInput | None:
         """The rendered ``input_*`` arguments as the core's input, or None."""
@@ -274,59 +269,10 @@ class TorchDistributorOperator(BaseOperator):
             prefix = "sparktorch_ops: bad input: " if isinstance(exc, ConfigError) else ""
             raise AirflowFailException(prefix + redact_connect_url(str(exc))) from exc
 
-    def _on_event(self, event: events.PhaseEvent, context: Context) -> None:
-        if event.name != events.SESSION_READY:
-            return
-        url = str(event.detail.get("ui_url") or "")
-        # A session this task started dies with it: only a History Server page outlives it.
-        lasting = not event.detail.get("created") or "/history/" in url
-        self.spark_ui_link = url if lasting else ""
-        if url:
-            self.log.info("sparktorch_ops: Spark UI: %s", url)
-            try:
-                context["ti"].xcom_push(key=SparkUILink().xcom_key, value=url)
-            except Exception:
-                self.log.warning("sparktorch_ops: could not store the Spark UI link", exc_info=True)
+    def _on_event(self, event: events.PhaseEvent, ti: Any) -> None:
+        if event.name == events.SESSION_READY:
+            self.spark_ui_link = SparkUILink().publish(event.detail, ti, self.log)
 
     def _on_metrics(self, record: MetricRecord) -> None:
         if record.rank == 0:
             self.log.info("sparktorch_ops: %s", record.describe())
-
-    def _summary(self, result: RunResult, context: Context) -> dict[str, Any]:
-        ti: Any = context["ti"]
-        key = storage.result_key(
-            ti.dag_id, ti.run_id, ti.task_id, getattr(ti, "map_index", -1), ti.try_number
-        )
-        location = str(self.result_location or storage.default_result_location())
-        try:
-            fields = storage.value_fields(
-                result.value, location=location, key=key, max_bytes=self.max_xcom_value_bytes
-            )
-        except Exception as exc:
-            raise TorchTrainingError(
-                f"training succeeded but rank 0's value could not be written to "
-                f"{location!r}: {type(exc).__name__}: {exc}"
-            ) from exc
-        if "value_uri" in fields:
-            self.log.info(
-                "sparktorch_ops: rank 0's value (%s) written to %s (%d bytes)",
-                fields["value_stored_because"],
-                fields["value_uri"],
-                fields["value_size"],
-            )
-        return {**fields, **result.summary()}
-
-
-def _airflow_tags(context: Context) -> dict[str, str]:
-    """MLflow tags that find the task try that trained."""
-    ti: Any = context["ti"]
-    tags = {
-        "airflow.dag_id": ti.dag_id,
-        "airflow.run_id": ti.run_id,
-        "airflow.task_id": ti.task_id,
-        "airflow.try_number": str(ti.try_number),
-    }
-    map_index = getattr(ti, "map_index", -1)
-    if map_index is not None and map_index >= 0:
-        tags["airflow.map_index"] = str(map_index)
-    return tags

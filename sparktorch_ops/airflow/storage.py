@@ -27,11 +27,14 @@ import re
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
 from sparktorch_ops.errors import ConfigError, SparkTorchError
+
+if TYPE_CHECKING:
+    from sparktorch_ops.results import RunResult
 
 DEFAULT_MAX_XCOM_VALUE_BYTES = 48 * 1024
 CONFIG_SECTION = "sparktorch_ops"
@@ -262,6 +265,21 @@ def value_fields(
             return {"value": value}
         problem = f"value is {size} bytes as JSON, more than max_xcom_value_bytes={max_bytes}"
     return {**store_value(value, location, key), "value_stored_because": problem}
+
+
+def xcom_summary(
+    result: RunResult, *, location: str, key: str, max_bytes: int | None, log: Any
+) -> dict[str, Any]:
+    """The operator's XCom: rank 0's value (:func:`value_fields`) and the run's summary."""
+    fields = value_fields(result.value, location=location, key=key, max_bytes=max_bytes)
+    if "value_uri" in fields:
+        log.info(
+            "sparktorch_ops: rank 0's value (%s) written to %s (%d bytes)",
+            fields["value_stored_because"],
+            fields["value_uri"],
+            fields["value_size"],
+        )
+    return {**fields, **result.summary()}
 
 
 def _relative_to_location(uri: str, location: str) -> str | None:

@@ -247,6 +247,7 @@ class RunArtifacts:
     def __init__(
         self, prefix: str, logger: Logger, description: str, interval: float = 1.0
     ) -> None:
+        self.prefix = prefix
         self.keys = artifact_keys(prefix)
         self._log = logger
         self._description = description
@@ -393,22 +394,65 @@ class TrainingReport:
         timeout_seconds: the task's Prefect timeout (its expiry arrives as a cancellation).
     """
 
-    def __init__(self, recorder: RunArtifacts | None, timeout_seconds: float | None) -> None:
+    def __init__(
+        self,
+        recorder: RunArtifacts | None,
+        timeout_seconds: float | None,
+        logger: Logger,
+        title: str = "training",
+    ) -> None:
         self.recorder = recorder
         self._timeout_seconds = timeout_seconds
+        self._log = logger
+        self._title = title
         self._session: dict[str, Any] = {}
         self._started = time.monotonic()
         self.summary: RunSummary | None = None
+
+    @classmethod
+    def for_task(
+        cls, ctx: Any, logger: Logger, artifact_key: str | None, artifacts: bool
+    ) -> TrainingReport:
+        """The report of the current task run (``ctx``: its TaskRunContext, or None):
+        artifacts keyed by ``artifact_key`` or the task's name, none with ``artifacts=False``.
+
+        Raises:
+            ConfigError: ``artifact_key`` is not a valid Prefect artifact key.
+        """
+        task_name = ctx.task.name if ctx is not None else "run_torch_distributor"
+        run_name = ctx.task_run.name if ctx is not None else task_name
+        prefix = (
+            check_artifact_key(artifact_key)
+            if artifact_key is not None
+            else key_from_name(task_name)
+        )
+        recorder = (
+            RunArtifacts(
+                prefix, logger, f"Training progress of {run_name} (rank 0's report(progress=...))"
+            )
+            if artifacts
+            else None
+        )
+        timeout = ctx.task.timeout_seconds if ctx is not None else None
+        return cls(recorder, timeout, logger, run_name)
 
     def on_event(self, event: Any) -> None:
         """The run's phase events: the session's ids, once ready."""
         if event.name == SESSION_READY:
             self._session.update(event.detail)
 
-    def start(self, title: str, num_processes: int, mode: str, use_gpu: bool) -> None:
-        """The launch begins: a running summary, live progress."""
+    def start(self, payload: str, num_processes: int, mode: str, use_gpu: bool) -> None:
+        """The launch of ``payload`` (in words) begins: a log line, a running summary, live
+        progress."""
+        self._log.info(
+            "launching %s on %d processes in %s mode%s",
+            payload,
+            num_processes,
+            mode,
+            f"; artifacts {self.recorder.prefix}-*" if self.recorder is not None else "",
+        )
         self.summary = RunSummary(
-            title=title,
+            title=self._title,
             status="running",
             num_processes=num_processes,
             mode=mode,
@@ -446,6 +490,12 @@ class TrainingReport:
         if self.recorder is not None:
             created = self._session.get("created")
             self.recorder.finish(summary, completed=True, session_created=created)
+        self._log.info(
+            "%d processes finished in %.1f s; final metrics of rank 0: %s",
+            result.num_processes,
+            summary.duration_s,
+            summary.final_metrics or "none reported",
+        )
         return summary
 
 

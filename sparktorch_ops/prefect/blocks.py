@@ -8,12 +8,15 @@ are the core's (:mod:`sparktorch_ops.spark`), so a bad master fails before Spark
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from prefect.blocks.core import Block
 from pydantic import Field, field_validator, model_validator
 
+from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.spark import session as spark_support
+from sparktorch_ops.spark.session import SparkSettings, validate_conf
 
 
 class SparkCluster(Block):
@@ -142,3 +145,22 @@ def load_block(kind: type[Block], name: str, argument: str) -> Any:
         return kind.load(name)
     except ValueError as exc:
         raise ConfigError(argument, f"no {kind.__name__} block named {name!r}: {exc}") from None
+
+
+def session_settings(
+    master: str | None, conf: Mapping[str, Any] | None, cluster: SparkCluster | str | None
+) -> SparkSettings:
+    """The task's session settings: from ``spark_master``/``spark_conf``, or a cluster block
+    (given or saved under a name) with ``spark_conf`` over its conf."""
+    if cluster is None:
+        return SparkSettings(master=master, conf=conf or {})
+    if master is not None:
+        raise ConfigError(
+            "spark_master", "give either spark_master or cluster (a SparkCluster block), not both"
+        )
+    if isinstance(cluster, str):
+        cluster = load_block(SparkCluster, cluster, "cluster")
+    if not isinstance(cluster, SparkCluster):
+        raise ConfigError("cluster", f"must be a SparkCluster block or its name, got {cluster!r}")
+    # spark.master stays in: the block's settings refuse one that contradicts its master.
+    return cluster.settings(validate_conf(conf, "spark_conf"))

@@ -1,4 +1,5 @@
-"""Where the Prefect task's results go, and which failures Prefect retries."""
+"""The Prefect task run's own things: where its result and checkpoints go, its MLflow tags,
+and which failures Prefect retries."""
 
 from __future__ import annotations
 
@@ -75,3 +76,13 @@ def default_checkpoint_dir(ctx: TaskRunContext | None) -> str | None:
     base = Path(get_current_settings().results.local_storage_path).expanduser()
     task = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{run.task_key}-{run.dynamic_key}")
     return str(base / "sparktorch_ops" / "checkpoints" / str(run.flow_run_id) / task)
+
+
+def mlflow_tags(ctx: TaskRunContext | None) -> dict[str, str]:
+    """MLflow tags that find the flow run and task run that trained."""
+    if ctx is None:
+        return {}
+    tags = {"prefect.task_run_id": str(ctx.task_run.id), "prefect.task_run": ctx.task_run.name}
+    if ctx.task_run.flow_run_id is not None:
+        tags["prefect.flow_run_id"] = str(ctx.task_run.flow_run_id)
+    return tags

@@ -24,44 +24,20 @@ from prefect.context import TaskRunContext
 from sparktorch_ops import options
 from sparktorch_ops.distributor import launch_job
 from sparktorch_ops.driver.packing import describe
-from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.job import build_job
 from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
-from sparktorch_ops.prefect.artifacts import (
-    RunArtifacts,
-    TrainingReport,
-    check_artifact_key,
-    key_from_name,
-)
-from sparktorch_ops.prefect.blocks import SparkCluster, load_block, resolve_tracking_uri
+from sparktorch_ops.prefect.artifacts import TrainingReport
+from sparktorch_ops.prefect.blocks import SparkCluster, resolve_tracking_uri, session_settings
 from sparktorch_ops.prefect.results import (
     TASK_RUN_RESULT_KEY,
     default_checkpoint_dir,
+    mlflow_tags,
     result_location,
     retry_unless_bad_input,
 )
 from sparktorch_ops.spark.dataframe import DataInput
-from sparktorch_ops.spark.session import SparkSettings, validate_conf
 
 TrainObject = Callable[..., Any] | str | os.PathLike[str]
-
-
-def _spark_settings(
-    master: str | None, conf: Mapping[str, Any] | None, cluster: SparkCluster | str | None
-) -> SparkSettings:
-    """The session settings from ``spark_master``/``spark_conf`` or a cluster block."""
-    if cluster is None:
-        return SparkSettings(master=master, conf=conf or {})
-    if master is not None:
-        raise ConfigError(
-            "spark_master", "give either spark_master or cluster (a SparkCluster block), not both"
-        )
-    if isinstance(cluster, str):
-        cluster = load_block(SparkCluster, cluster, "cluster")
-    if not isinstance(cluster, SparkCluster):
-        raise ConfigError("cluster", f"must be a SparkCluster block or its name, got {cluster!r}")
-    # spark.master stays in: the block's settings refuse one that contradicts its master.
-    return cluster.settings(validate_conf(conf, "spark_conf"))
 
 
 @task(
@@ -156,19 +132,7 @@ def run_torch_distributor(
     """
     logger = get_run_logger()
     ctx = TaskRunContext.get()
-    task_name = ctx.task.name if ctx is not None else "run_torch_distributor"
-    run_name = ctx.task_run.name if ctx is not None else task_name
-    prefix = (
-        check_artifact_key(artifact_key) if artifact_key is not None else key_from_name(task_name)
-    )
-    recorder = (
-        RunArtifacts(
-            prefix, logger, f"Training progress of {run_name} (rank 0's report(progress=...))"
-        )
-        if artifacts
-        else None
-    )
-    report = TrainingReport(recorder, ctx.task.timeout_seconds if ctx is not None else None)
+    report = TrainingReport.for_task(ctx, logger, artifact_key, artifacts)
     data = DataInput.given(dataframe, input_sql, input_table, input_path, input_format)
     launch = {
         **options.values_of("task", locals()),
@@ -179,42 +143,19 @@ def run_torch_distributor(
         train=train,  # type: ignore[arg-type]
         train_args=train_args,
         train_kwargs=train_kwargs,
-        spark=_spark_settings(spark_master, spark_conf, cluster),
-        mlflow_tags=_prefect_tags(ctx),
+        spark=session_settings(spark_master, spark_conf, cluster),
+        mlflow_tags=mlflow_tags(ctx),
         logger=logger,
-        on_metrics=recorder.on_metrics if recorder is not None else None,
+        on_metrics=report.recorder.on_metrics if report.recorder is not None else None,
         on_event=report.on_event,
         data=data,
         **launch,
     )
-    logger.info(
-        "launching %s on %d processes in %s mode%s",
-        describe(job.payload),
-        job.options.num_processes,
-        job.mode,
-        f"; artifacts {prefix}-*" if recorder is not None else "",
-    )
-    report.start(run_name, job.options.num_processes, job.mode, use_gpu)
+    report.start(describe(job.payload), job.options.num_processes, job.mode, use_gpu)
     try:
         result = launch_job(job)
     except BaseException as exc:
         report.failed(exc)
         raise
-    summary = report.completed(result, result_location(ctx, result.value))
-    logger.info(
-        "%d processes finished in %.1f s; final metrics of rank 0: %s",
-        result.num_processes,
-        summary.duration_s,
-        summary.final_metrics or "none reported",
-    )
+    report.completed(result, result_location(ctx, result.value))
     return result.value
-
-
-def _prefect_tags(ctx: TaskRunContext | None) -> dict[str, str]:
-    """MLflow tags that find the flow run and task run that trained."""
-    if ctx is None:
-        return {}
-    tags = {"prefect.task_run_id": str(ctx.task_run.id), "prefect.task_run": ctx.task_run.name}
-    if ctx.task_run.flow_run_id is not None:
-        tags["prefect.flow_run_id"] = str(ctx.task_run.flow_run_id)
-    return tags
