@@ -27,8 +27,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import common
+import pages
 from common import Series, log, print_table, ratio
 
 common.prepare_environment()
@@ -162,6 +164,45 @@ def _span(start: str, end: str) -> float:
     from datetime import datetime
 
     return (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
+
+
+# -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
+TITLE = "The example DAG under Airflow's scheduler"
+
+
+def render(doc: dict[str, Any]) -> str:
+    """This benchmark\'s section of benchmarks/README.md, from its JSON."""
+    labels = {
+        "dags_test": "`airflow dags test` command, whole",
+        "scheduler": "trigger (REST API) -> run ended, under scheduler + LocalExecutor",
+        "mark_failed": "mark failed -> last process of the try gone",
+    }
+    ratio = (doc.get("ratios") or {}).get("scheduler_vs_dags_test")
+    out = [
+        f"`dags/retrain_digits.py` ({doc.get('epochs')} epochs, fresh state each run), median of "
+        f"{doc.get('repeats')}, alternating, after a warm-up run; the components were healthy "
+        f"{pages.num(doc.get('startup_s'), 1)} s after start. Scheduler / `dags test`: "
+        f"{pages.num(ratio, suffix='x')}.",
+        pages.table(
+            ["variant", "measured", "seconds", "min-max s", "runs"], pages.variant_rows(doc, labels)
+        ),
+    ]
+    return "\n\n".join(out) + pages.notes(doc.get("notes"))
+
+
+def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """README's headline row: the DAG under the scheduler over ``airflow dags test``."""
+    ratio = doc.get("ratios", {}).get("scheduler_vs_dags_test")
+    if ratio is None:
+        return []
+    return [
+        [
+            "example DAG under Airflow's scheduler",
+            "scheduler / `dags test`",
+            pages.num(ratio, suffix="x"),
+            "-",
+        ]
+    ]
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import common
+import pages
 from common import log, median, print_table, ratio
 
 common.prepare_environment()
@@ -677,6 +678,217 @@ def main(argv: list[str] | None = None) -> int:
         common.write_results(args.name, payload, machine)
     log("done")
     return 0
+
+
+# -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
+TITLE = "Checkpoint"
+
+
+def render(doc: dict[str, Any]) -> str:
+    """This benchmark\'s section of benchmarks/README.md, from its JSON."""
+    reference = "torch.save (reference)"
+    one_rows = []
+    for size, variants in doc.get("one_process", {}).items():
+        ref = variants.get(reference, {})
+        for name, s in variants.items():
+            vs_ref = (
+                f"{pages.num(pages.ratio_of(s.get('save_median_s'), ref.get('save_median_s')), suffix='x')} / "
+                f"{pages.num(pages.ratio_of(s.get('load_median_s'), ref.get('load_median_s')), suffix='x')}"
+                if name != reference and ref
+                else "-"
+            )
+            one_rows.append(
+                [
+                    f"{int(size):,}",
+                    f"`{name}`",
+                    str(s.get("tensors", "-")),
+                    pages.num(s.get("disk_mib"), 1),
+                    pages.num(s.get("save_median_s")),
+                    pages.min_max(s, "save"),
+                    pages.num(s.get("save_mib_per_s"), 0),
+                    pages.num(s.get("load_median_s")),
+                    pages.min_max(s, "load"),
+                    pages.num(s.get("load_mib_per_s"), 0),
+                    vs_ref,
+                    str(s.get("runs")),
+                ]
+            )
+    first = doc.get("one_process_first_call") or {}
+    first_line = (
+        "\n\nFirst call (1 MiB, discarded, not in the table): "
+        + "; ".join(
+            f"`{name}` save {pages.num(f.get('save_s'))} s / load {pages.num(f.get('load_s'))} s"
+            for name, f in first.items()
+        )
+        + "."
+        if first
+        else ""
+    )
+    out = [
+        "`sparktorch_ops.checkpoint`: `save(TrainingState(model), 0)` into a fresh directory, "
+        "then `load_latest` into the zeroed model (checked against checksums), of a float32 "
+        f"state in {doc.get('chunk_mib')} MiB tensors, median of {doc.get('repeats')}; "
+        "`torch.save` (then `fsync`) / `torch.load` + `load_state_dict` of the same state "
+        "alternate with it as the reference. *vs torch.save*: our time / its time "
+        "(save / load).\n\n"
+        "**One process** (no process group):\n\n"
+        + pages.table(
+            [
+                "MiB",
+                "variant",
+                "tensors",
+                "on disk MiB",
+                "save s",
+                "min-max s",
+                "save MiB/s",
+                "load s",
+                "min-max s",
+                "load MiB/s",
+                "vs torch.save",
+                "runs",
+            ],
+            one_rows,
+        )
+        + first_line
+    ]
+    ranks = doc.get("two_ranks") or {}
+    if ranks:
+        rank_rows = []
+        for size, s in ranks.items():
+            samples = [x for rank in s.get("per_rank", []) for x in rank]
+            ok = sum(1 for x in samples if x.get("ok"))
+            rank_rows.append(
+                [
+                    f"{int(size):,}",
+                    pages.num(s.get("disk_mib"), 1),
+                    str(s.get("files", "-")),
+                    pages.num(s.get("save_rank0_median_s")),
+                    pages.num(s.get("save_max_median_s")),
+                    pages.num(s.get("save_mib_per_s"), 0),
+                    pages.num(s.get("load_rank0_median_s")),
+                    pages.num(s.get("load_max_median_s")),
+                    pages.num(s.get("load_mib_per_s"), 0),
+                    f"{ok}/{len(samples)}",
+                    str(s.get("runs")),
+                ]
+            )
+        first_ranks = doc.get("two_ranks_first_call") or {}
+        out.append(
+            "**2 ranks**: `TorchDistributor(num_processes=2, local_mode=True, use_gpu=False, "
+            "checkpoint_dir=...)`, the same state in DDP on every rank (replicated: DCP writes one "
+            "copy, spread over the ranks); every rank times its own call between barriers. "
+            "*slowest*: the slower rank per run, then the median; MiB/s from that time.\n\n"
+            + pages.table(
+                [
+                    "MiB",
+                    "on disk MiB",
+                    "files",
+                    "save s, rank 0",
+                    "save s, slowest",
+                    "save MiB/s",
+                    "load s, rank 0",
+                    "load s, slowest",
+                    "load MiB/s",
+                    "loads checked",
+                    "runs",
+                ],
+                rank_rows,
+            )
+            + (
+                f"\n\nFirst call on the ranks ({first_ranks.get('state_mib')} MiB, discarded): "
+                f"save {pages.num(first_ranks.get('save_max_median_s'))} s / load "
+                f"{pages.num(first_ranks.get('load_max_median_s'))} s (slowest rank)."
+                if first_ranks
+                else ""
+            )
+        )
+    cnn = doc.get("save_vs_step") or {}
+    assumptions = doc.get("assumptions") or {}
+    epoch_steps = assumptions.get("epoch_steps_per_rank") or []
+    settings = [("one process", cnn.get("one_process")), ("2 ranks, DDP", cnn.get("two_ranks"))]
+    cnn_rows = []
+    for label, c in settings:
+        if not c:
+            continue
+        growth = c.get("epoch_with_save_over_without") or {}
+        first_save = c.get("first_save_s", c.get("first_save_max_s"))
+        cnn_rows.append(
+            [
+                label,
+                str(c.get("torch_threads", "-")),
+                pages.ms(c.get("step_median_s")),
+                pages.ms(c.get("save_median_s")),
+                pages.num(c.get("save_over_step"), 1, "x"),
+                *(
+                    f"+{100 * (growth[str(n)] - 1):.0f}%" if growth.get(str(n)) is not None else "-"
+                    for n in epoch_steps
+                ),
+                pages.ms(first_save),
+                pages.num(c["disk_bytes"] / 1024, 0) if c.get("disk_bytes") else "-",
+            ]
+        )
+    if cnn_rows:
+        single = cnn.get("one_process") or {}
+        out.append(
+            "**Save vs training step**: `DigitsCNN` of `examples/ddp_train.py` "
+            f"({single.get('params', 0):,} parameters), batch 64 of random 1x8x8 inputs, SGD "
+            "with momentum; the median of "
+            f"{len(single.get('step_s', []))} steps (forward, backward, optimizer step) and of "
+            f"{len(single.get('save_s', []))} saves of `TrainingState(model, optimizer, "
+            "losses=[...])` with `keep=3` (pruning included), after a first save not counted. "
+            "On 2 ranks, the slower rank per step and per save.\n\n"
+            + pages.table(
+                [
+                    "setting",
+                    "torch threads",
+                    "step ms",
+                    "save ms",
+                    "save / step",
+                    *(f"epoch of {n} steps, + one save" for n in epoch_steps),
+                    "first save ms",
+                    "on disk KiB",
+                ],
+                cnn_rows,
+            )
+            + f"\n\nAssumption: {assumptions.get('epoch', '-')}; "
+            f"{assumptions.get('save_frequency', '-')}. *epoch of N steps, + one save*: what the "
+            "save adds to the time of N training steps per rank; data loading and the rest of an "
+            "epoch are not counted, so the real share is smaller."
+        )
+    return "\n\n".join(out) + pages.notes(doc.get("notes"))
+
+
+def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """README's headline rows: save/load speed of the largest state, and the epoch cost."""
+    rows = []
+    if doc.get("one_process"):
+        size, variants = max(doc["one_process"].items(), key=lambda item: int(item[0]))
+        ours = variants.get("sparktorch_ops (DCP)", {})
+        ref = variants.get("torch.save (reference)", {})
+        rows.append(
+            [
+                f"checkpoint, {int(size):,} MiB state, one process "
+                f"(median of {doc.get('repeats')})",
+                f"save / load MiB/s (torch.save's: {pages.num(ref.get('save_mib_per_s'), 0)} / "
+                f"{pages.num(ref.get('load_mib_per_s'), 0)})",
+                f"{pages.num(ours.get('save_mib_per_s'), 0)} / "
+                f"{pages.num(ours.get('load_mib_per_s'), 0)} MiB/s",
+                "-",
+            ]
+        )
+    cnn = doc.get("save_vs_step", {}).get("two_ranks")
+    steps = doc.get("assumptions", {}).get("epoch_steps_per_rank") or []
+    growth = (cnn or {}).get("epoch_with_save_over_without") or {}
+    if cnn and steps and all(growth.get(str(n)) is not None for n in steps):
+        rows.append(
+            [
+                "checkpoint every epoch, example DigitsCNN",
+                f"epoch time with the save / without ({'; '.join(map(str, steps))} steps per rank)",
+                "; ".join(pages.num(growth[str(n)], suffix="x") for n in steps),
+                "-",
+            ]
+        )
+    return rows
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import common
+import pages
 import psutil
 from common import log, print_table, ratio
 
@@ -451,6 +452,61 @@ def main(argv: list[str] | None = None) -> int:
     else:
         common.write_results(NAME, payload, machine)
     return 0
+
+
+# -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
+TITLE = "Launch over Spark Connect"
+
+
+def render(doc: dict[str, Any]) -> str:
+    """This benchmark\'s section of benchmarks/README.md, from its JSON."""
+    rows = []
+    for name, s in doc["variants"].items():
+        errors = s.get("errors") or []
+        if not s.get("runs") and errors:
+            seconds = f"failed: {errors[0].splitlines()[0][:80]}"
+        else:
+            seconds = pages.num(s.get("median_s"))
+        rows.append(
+            [
+                f"`{name}`",
+                seconds,
+                pages.spread(s),
+                pages.num(s.get("ratio_vs_ours_classic"), suffix="x"),
+                str(sum(1 for n in s.get("new_python_workers", []) if n)),
+                f"{s.get('runs')}{pages.errors(s) if s.get('runs') else ''}",
+            ]
+        )
+    ratio_rows = [
+        [name, pages.num(value, suffix="x")] for name, value in doc.get("ratios", {}).items()
+    ]
+    out = [
+        f"Trivial 2-rank all-reduce in barrier mode on `{doc.get('master', 'local[2]')}`, from the "
+        f"call to its return, from a classic session and from a Spark Connect session (to a "
+        f"Connect server on `{doc.get('master', 'local[2]')}`); median of {doc.get('repeats')} "
+        f"(after {doc.get('warmup', 0)} warm-up round).",
+        pages.table(
+            ["variant", "seconds", "min-max s", "vs ours classic", "fresh workers", "runs"], rows
+        ),
+        pages.table(["ratio of medians", "x"], ratio_rows),
+    ]
+    return "\n\n".join(out) + pages.notes(doc.get("notes"))
+
+
+def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """README's headline row: pyspark's time over ours, both over Connect."""
+    ratios = doc.get("ratios", {})
+    if ratios.get("connect: pyspark / ours") is None:
+        return []
+    return [
+        [
+            "launch over Spark Connect (trivial all-reduce, barrier)",
+            "pyspark's time / ours (ours over Connect / over a classic session)",
+            f"{pages.num(ratios['connect: pyspark / ours'], suffix='x')} "
+            f"({pages.num(ratios.get('ours: connect / classic'), suffix='x')})",
+            "-",
+        ]
+    ]
 
 
 if __name__ == "__main__":

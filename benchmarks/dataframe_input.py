@@ -34,6 +34,7 @@ import sys
 from typing import Any
 
 import common
+import pages
 from common import log, median, print_table, ratio
 
 common.prepare_environment()
@@ -328,6 +329,53 @@ def main(argv: list[str] | None = None) -> int:
     )
     session.stop()
     return 0
+
+
+# -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
+TITLE = "DataFrame input"
+
+
+def render(doc: dict[str, Any]) -> str:
+    """This benchmark\'s section of benchmarks/README.md, from its JSON."""
+    rows = []
+    for size, variants in doc["results"].items():
+        for name, s in variants.items():
+            rows.append(
+                [
+                    f"{int(size):,}",
+                    f"`{name}`",
+                    (f"{int(s['rows_per_rank']):,}" if s.get("rows_per_rank") else "-")
+                    + (" (capped)" if s.get("capped") else ""),
+                    pages.num(s.get("rows_per_s_per_rank_median"), 0),
+                    pages.num(s.get("rows_per_s_vs_pyspark_default"), 1, "x"),
+                    pages.num(s.get("median_s")),
+                    pages.num(s.get("ru_maxrss_mib_max"), 0),
+                    pages.num(s.get("rss_growth_mib_max"), 0),
+                    f"{s.get('runs')}{pages.errors(s)}",
+                ]
+            )
+    return (
+        f"A cached DataFrame of N rows x {doc.get('features')} float32 columns in 2 partitions, "
+        f"2 ranks in barrier mode on `local[2]`, batch {doc.get('batch_size')}, one epoch per "
+        f"rank, median of {doc.get('repeats')}; pyspark's `num_samples` capped at "
+        f"{doc.get('pyspark_samples_cap'):,} rows per rank (its loader converts row by row). "
+        f"Target: ours >= {doc.get('target_speedup'):g}x pyspark's rows/s.\n\n"
+        + pages.table(
+            [
+                "rows",
+                "variant",
+                "rows per rank",
+                "rows/s per rank",
+                "vs pyspark",
+                "wall s",
+                "rank maxrss MiB",
+                "RSS growth MiB",
+                "runs",
+            ],
+            rows,
+        )
+        + pages.notes(doc.get("notes"))
+    )
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common
+from benchmarks import common, pages
 
 SCRIPT = str(Path(__file__).resolve())
 # variant -> the warm-agent switch for its run (None: the default, on)
@@ -262,6 +262,79 @@ def main(argv: list[str] | None = None) -> int:
         common.machine_info(),
     )
     return 0
+
+
+# -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
+TITLE = "Forked vs fresh rank"
+
+
+FORK_AB_LABELS = {
+    "ours_default": "ours, default (warm agent, forked rank)",
+    "ours_warm_off": "ours, warm agent off (forked rank)",
+    "ours_spawn": "ours, `--start-method=spawn`",
+    "torchrun_a_a": "control: bare torchrun in ours' place",
+}
+
+
+def render(doc: dict[str, Any]) -> str:
+    """This benchmark\'s section of benchmarks/README.md, from its JSON."""
+    variants = doc["variants"]
+    rows = []
+    for name, s in variants.items():
+        ratio = s.get("ratio")
+        low, high = s.get("ci_low"), s.get("ci_high")
+        sessions = s.get("session_ratios") or []
+        rows.append(
+            [
+                f"`{name}`",
+                FORK_AB_LABELS.get(name, "-"),
+                pages.num(ratio, 3, "x"),
+                f"{low:.3f}-{high:.3f}" if low is not None and high is not None else "-",
+                ", ".join(f"{r:.3f}" for r in sessions) or "-",
+                f"{pages.num(s.get('ours_step_ms_median'))} / {pages.num(s.get('bare_step_ms_median'))}",
+                f"{pages.num(s.get('ours_minflt_per_step'), 0)} / "
+                f"{pages.num(s.get('bare_minflt_per_step'), 0)}",
+                f"{pages.num(s.get('ours_csw_per_step'))} / {pages.num(s.get('bare_csw_per_step'))}",
+                str(s.get("steps", "-")),
+            ]
+        )
+    control = (variants.get("torchrun_a_a") or {}).get("session_ratios") or []
+    control_line = (
+        f"\n\nThe control (bare vs bare) spans {min(control):.3f}-{max(control):.3f} across "
+        "sessions: what the harness reads when nothing differs."
+        if control
+        else ""
+    )
+    return (
+        "The same small CNN, single-threaded (`OMP_NUM_THREADS=1`), as two one-rank jobs at "
+        "once: ours' rank and a bare `torchrun`'s hand a token to each other through two FIFOs, "
+        "so they train one step each in turn, never both at once, both pinned to the same CPU. "
+        "Drift on any scale longer than a step hits both alike. "
+        f"{doc.get('sessions')} sessions per variant (who starts first alternating), each "
+        f"{doc.get('steps')} steps after {doc.get('warmup_steps')} warm-up steps. "
+        "*speed x fresh*: our rank's speed over the fresh torchrun rank's, the geometric mean "
+        "of per-step fresh / ours step time (> 1: ours faster), with a 95% bootstrap interval "
+        f"(resampling sessions, then blocks of {doc.get('block')} consecutive steps within "
+        "them); *per session*: the same per session. Step time, minor faults and context "
+        "switches (voluntary and involuntary) per step are measured inside each rank; in the "
+        "control, *ours* is the second bare torchrun.\n\n"
+        + pages.table(
+            [
+                "variant",
+                "what",
+                "speed x fresh",
+                "95% CI",
+                "per session",
+                "median step ms, ours / fresh",
+                "minor faults per step, ours / fresh",
+                "context switches per step, ours / fresh",
+                "steps",
+            ],
+            rows,
+        )
+        + control_line
+        + pages.notes(doc.get("notes"))
+    )
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import common
+import pages
 import psutil
 from common import JOBS_SCRIPT, Recorder, log, median, print_table, ratio
 
@@ -650,6 +651,128 @@ def main(argv: list[str] | None = None) -> int:
     if session is not None:
         session.stop()
     return 0
+
+
+# -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
+TITLE = "Launch"
+
+
+LAUNCH_TARGETS = {"local": 0.3, "barrier": 0.6}
+
+
+def _launch_targets(s: dict[str, Any], mode: str) -> tuple[float | None, float | None]:
+    """(issue 16's target, the earlier design target) of one launch variant."""
+    if "design_target_ratio" in s:
+        return s.get("target_ratio"), s.get("design_target_ratio")
+    # written before issue 16: its target_ratio is the design target
+    return (LAUNCH_TARGETS.get(mode) if s.get("target_ratio") else None), s.get("target_ratio")
+
+
+def render(doc: dict[str, Any]) -> str:
+    """This benchmark\'s section of benchmarks/README.md, from its JSON."""
+    rows = []
+    for name, s in doc["variants"].items():
+        mode = "local" if "local" in name else "barrier"
+        target, design = _launch_targets(s, mode)
+        ratio = s.get("ratio_vs_torchrun")
+        warm = s.get("warm_agent")
+        rows.append(
+            [
+                f"`{name}`",
+                "-" if warm is None else ("off" if not warm else "default"),
+                pages.num(s.get("median_s")),
+                pages.spread(s),
+                pages.num(ratio, suffix="x"),
+                pages.num(s.get("cold_over_warm"), suffix="x"),
+                pages.met(ratio, target, at_most=True) if target else "",
+                pages.met(ratio, design, at_most=True) if design else "",
+                str(sum(s["new_python_workers"])) if "new_python_workers" in s else "-",
+                f"{s.get('runs')}{pages.errors(s)}",
+            ]
+        )
+    out = [
+        f"Trivial 2-rank all-reduce, from the call to its return; median of {doc.get('repeats')} "
+        f"(after {doc.get('warmup', 0)} warm-up round). Barrier variants run on `local[2]`"
+        + (" with warm Python workers." if doc.get("warm_python_workers") else "."),
+        pages.table(
+            [
+                "variant",
+                "warm agent",
+                "seconds",
+                "min-max s",
+                "vs torchrun",
+                "cold / warm",
+                "target (issue 16)",
+                "earlier target",
+                "fresh workers",
+                "runs",
+            ],
+            rows,
+        ),
+        "*warm agent*: `off` runs with `SPARKTORCH_OPS_WARM_AGENT=0` (local: in the driver for "
+        "that run; barrier: in the Spark Python tasks' environment, as "
+        "`spark.executorEnv.SPARKTORCH_OPS_WARM_AGENT=0` gives it), side by side with the "
+        "default, which is warm after the first run of the driver; *cold / warm*: its median "
+        "over the default variant's. *target (issue 16)*: local <= 0.3x, barrier <= 0.6x of "
+        "bare torchrun; *earlier target*: local <= 1.15x, barrier <= 1.5x. "
+        "*fresh workers*: barrier runs that found Spark's Python workers gone (Spark stops them "
+        "after a minute idle) and paid for new ones.",
+    ]
+    reference = doc.get("pyspark_reference")
+    if reference:
+        out.append(
+            "pyspark's TorchDistributor as measured earlier (DESIGN.md section 6): "
+            + ", ".join(f"{mode} {ratio}x" for mode, ratio in reference.items())
+            + " of bare torchrun."
+        )
+    breakdown = doc.get("breakdown", {})
+    for name, b in breakdown.items():
+        if name.startswith("_") or "phases" not in b:
+            continue
+        phase_rows = [[p["phase"], pages.num(p["seconds"]), p["how"]] for p in b["phases"]]
+        out.append(f"<details><summary>Where the time goes: <code>{name}</code></summary>\n")
+        out.append(pages.table(["phase", "seconds", "how"], phase_rows))
+        out.append("</details>")
+    probes = breakdown.get("_probes")
+    if probes:
+        out.append("What single steps cost on this machine (one process each, seconds):")
+        out.append(pages.table(["step", "seconds"], [[k, pages.num(v)] for k, v in probes.items()]))
+    return "\n\n".join(out) + pages.notes(breakdown.get("_notes"))
+
+
+def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """README's headline rows: each mode's slower default against bare torchrun."""
+    rows = []
+    v = doc["variants"]
+    for mode in ("local", "barrier"):
+        ours = [
+            s
+            for name, s in v.items()
+            if name.startswith(f"ours_{mode}_") and not name.endswith("_cold")
+        ]
+        if not ours:
+            continue
+        worst = max(ours, key=lambda s: s.get("ratio_vs_torchrun") or 0.0)
+        ratio = worst.get("ratio_vs_torchrun")
+        target, _ = _launch_targets(worst, mode)
+        cold = [
+            s.get("ratio_vs_torchrun")
+            for name, s in v.items()
+            if name.startswith(f"ours_{mode}_")
+            and name.endswith("_cold")
+            and s.get("ratio_vs_torchrun") is not None
+        ]
+        cold_text = f"warm agent off: {pages.num(max(cold), suffix='x')}; " if cold else ""
+        pyspark = v.get(f"pyspark_{mode}_fn", {}).get("ratio_vs_torchrun")
+        rows.append(
+            [
+                f"launch, {mode} mode (trivial all-reduce)",
+                f"time / bare torchrun's ({cold_text}pyspark's: {pages.num(pyspark, suffix='x')})",
+                pages.num(ratio, suffix="x"),
+                pages.met(ratio, target, at_most=True),
+            ]
+        )
+    return rows
 
 
 if __name__ == "__main__":

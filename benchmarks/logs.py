@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import common
+import pages
 from common import JOBS_SCRIPT, log, median, print_table, ratio
 
 common.prepare_environment()
@@ -257,6 +258,80 @@ def main(argv: list[str] | None = None) -> int:
     )
     log("done")
     return 0
+
+
+# -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
+TITLE = "Logs"
+
+
+def render(doc: dict[str, Any]) -> str:
+    """This benchmark\'s section of benchmarks/README.md, from its JSON."""
+    rows = [
+        [
+            f"`{name}`",
+            pages.num(s.get("median_s")),
+            pages.spread(s),
+            pages.num(s.get("ratio_vs_torchrun"), suffix="x"),
+            pages.num(s.get("driver_cpu_median_s")),
+            pages.num(s.get("tree_cpu_median_s")),
+            f"{s.get('verified_runs', '-')}/{s.get('runs')}" if name.startswith("ours") else "-",
+            pages.errors(s),
+        ]
+        for name, s in doc["variants"].items()
+    ]
+    cost = doc.get("lines_cost_s") or {}
+    tail = (
+        "\n\nWhat the lines add over a 0-line run: torchrun "
+        f"{pages.num(cost.get('torchrun_wall_s'))} s wall / {pages.num(cost.get('torchrun_cpu_s'))} s CPU, "
+        f"ours {pages.num(cost.get('ours_local_script_wall_s'))} s wall / "
+        f"{pages.num(cost.get('ours_local_script_cpu_s'))} s CPU."
+        if cost
+        else ""
+    )
+    return (
+        f"{doc.get('ranks', 2)} ranks x {doc.get('lines_per_rank')} lines, target <= "
+        f"{doc.get('target_ratio')}x of bare torchrun, median of {doc.get('repeats')}; "
+        "`*_0_lines` variants print nothing (the same job otherwise).\n\n"
+        + pages.table(
+            [
+                "variant",
+                "seconds",
+                "min-max s",
+                "vs torchrun",
+                "driver CPU s",
+                "all CPU s",
+                "verified",
+                "errors",
+            ],
+            rows,
+        )
+        + tail
+        + pages.notes(doc.get("notes"))
+    )
+
+
+def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """README's headline row: the slower of ours against bare torchrun."""
+    ours_logs = [
+        s
+        for name, s in doc.get("variants", {}).items()
+        if name.startswith("ours") and not name.endswith("_0_lines")
+    ]
+    if not ours_logs:
+        return []
+    worst = max(ours_logs, key=lambda s: s.get("ratio_vs_torchrun") or 0.0)
+    ratio = worst.get("ratio_vs_torchrun")
+    total = doc.get("ranks", 2) * doc.get("lines_per_rank", 0)
+    verified = sum(s.get("verified_runs", 0) for s in ours_logs)
+    runs = sum(s.get("runs", 0) for s in ours_logs)
+    return [
+        [
+            f"logs, {total:,} lines ({verified}/{runs} runs verified whole)",
+            "time / bare torchrun's (to /dev/null)",
+            pages.num(ratio, suffix="x"),
+            pages.met(ratio, doc.get("target_ratio"), at_most=True),
+        ]
+    ]
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 import common
+import pages
 import psutil
 from common import RssSampler, log, print_table
 
@@ -162,6 +163,52 @@ def main(argv: list[str] | None = None) -> int:
     if session is not None:
         session.stop()
     return 0
+
+
+# -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
+TITLE = "Memory"
+
+
+MEMORY_LABELS = {
+    "first_run_added_mib": "added by the first run (one-time costs included)",
+    "peak_during_run_added_mib_max": "peak during a run above its start, the highest",
+    "after_last_minus_after_first_mib": "after the last run minus after the first",
+    "slope_after_first_mib_per_run": "growth per run after the first (slope)",
+    "jvm_rss_mib": "JVM RSS",
+}
+
+
+def render(doc: dict[str, Any]) -> str:
+    """This benchmark\'s section of benchmarks/README.md, from its JSON."""
+    s = doc["summary"]
+    rows = [[MEMORY_LABELS.get(k, k.replace("_", " ")), pages.num(v)] for k, v in s.items()]
+    rss = doc.get("rss_mib") or {}
+    start = (
+        f" The driver process starts at {pages.num(rss.get('start'), 1)} MiB, "
+        f"{pages.num(rss.get('after_import'), 1)} MiB after importing sparktorch_ops."
+        if rss
+        else ""
+    )
+    return (
+        f"Driver RSS, {doc.get('mode')} mode, job `{doc.get('job')}`, {doc.get('runs')} runs in a "
+        f"row in a fresh process, MiB.{start}\n\n"
+        + pages.table(["figure", "MiB"], rows)
+        + pages.notes(doc.get("notes"))
+    )
+
+
+def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """README's headline row: what the first run adds, and the runs after it."""
+    s = doc["summary"]
+    return [
+        [
+            "memory, driver RSS",
+            f"added by the first run / by {doc.get('runs', 0) - 1} more",
+            f"{pages.num(s.get('first_run_added_mib'))} / "
+            f"{pages.num(s.get('after_last_minus_after_first_mib'))} MiB",
+            "-",
+        ]
+    ]
 
 
 if __name__ == "__main__":

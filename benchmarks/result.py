@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import common
+import pages
 from common import RssSampler, log, median, print_table, ratio
 
 common.prepare_environment()
@@ -214,6 +215,77 @@ def main(argv: list[str] | None = None) -> int:
     )
     session.stop()
     return 0
+
+
+# -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
+TITLE = "Result"
+
+
+def render(doc: dict[str, Any]) -> str:
+    """This benchmark\'s section of benchmarks/README.md, from its JSON."""
+    rows = []
+    speedups = []
+    for name, s in doc["variants"].items():
+        if name.startswith("summary_"):
+            transfer = s.get("transfer_s") or {}
+            speedups.append(
+                [
+                    name.removeprefix("summary_"),
+                    pages.num(s.get("speedup_total"), suffix="x"),
+                    pages.num(transfer.get("ours")),
+                    pages.num(transfer.get("pyspark")),
+                    pages.num(s.get("speedup_transfer"), suffix="x"),
+                    f">= {s.get('target_speedup')}x",
+                ]
+            )
+            continue
+        rows.append(
+            [
+                f"`{name}`",
+                pages.num(s.get("median_s")),
+                pages.spread(s),
+                pages.num(s.get("peak_added_rss_mib_median"), 0),
+                f"{s.get('runs')}{pages.errors(s)}",
+            ]
+        )
+    return (
+        f"Rank 0 returns a {doc.get('tensor_mib')} MiB tensor; `_control` builds it and returns "
+        f"its size only; median of {doc.get('repeats')}.\n\n"
+        + pages.table(
+            ["variant", "seconds", "min-max s", "driver peak RSS added, MiB", "runs"], rows
+        )
+        + "\n\n"
+        + pages.table(
+            [
+                "mode",
+                "pyspark / ours (total)",
+                "transfer s, ours",
+                "transfer s, pyspark",
+                "pyspark / ours (transfer)",
+                "target",
+            ],
+            speedups,
+        )
+        + pages.notes(doc.get("notes"))
+    )
+
+
+def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """README's headline rows: pyspark's time over ours, per mode."""
+    rows = []
+    for mode in ("local", "barrier"):
+        s = doc["variants"].get(f"summary_{mode}")
+        if not s:
+            continue
+        rows.append(
+            [
+                f"{doc.get('tensor_mib')} MiB result, {mode} mode",
+                "pyspark's time / ours (end to end)",
+                pages.num(s.get("speedup_total"), suffix="x"),
+                pages.met(s.get("speedup_total"), s.get("target_speedup"), at_most=False),
+            ]
+        )
+    return rows
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import common
+import pages
 from common import Series, log, median, print_table, ratio
 
 common.prepare_environment()
@@ -420,6 +421,47 @@ def main(argv: list[str] | None = None) -> int:
     args.json.write_text(json.dumps(document, indent=2, default=str) + "\n")
     print(f"\nwrote {args.json}")
     return 0 if all(not s.errors for s in series.values()) else 1
+
+
+# -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
+TITLE = "The example flow served by Prefect"
+
+
+def render(doc: dict[str, Any]) -> str:
+    """This benchmark\'s section of benchmarks/README.md, from its JSON."""
+    labels = {
+        "once_ephemeral": "`--once` command, whole (ephemeral server)",
+        "once_server": "`--once` command, whole (against the server)",
+        "served": "deployment run: request -> Completed",
+        "cancel_local": "cancel (API) -> last rank gone, local mode",
+        "cancel_barrier": "cancel (API) -> last rank gone, barrier mode",
+    }
+    ratios = [
+        [name, pages.num(value, suffix="x")] for name, value in (doc.get("summary") or {}).items()
+    ]
+    out = [
+        f"`flows/retrain_digits.py` ({doc.get('epochs')} epoch), median of {doc.get('repeats')}.",
+        pages.table(
+            ["variant", "measured", "seconds", "min-max s", "runs"], pages.variant_rows(doc, labels)
+        ),
+        pages.table(["ratio of medians", "x"], ratios),
+    ]
+    return "\n\n".join(out) + pages.notes(doc.get("notes"))
+
+
+def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """README's headline row: the served flow over the same flow run once."""
+    ratio = doc.get("summary", {}).get("served_over_once_server")
+    if ratio is None:
+        return []
+    return [
+        [
+            "example flow served by Prefect",
+            "served flow / `--once` (same server)",
+            pages.num(ratio, suffix="x"),
+            "-",
+        ]
+    ]
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import common
+import pages
 import psutil
 from common import JOBS_SCRIPT, WARM_AGENT_ENV, log, median, print_table, ratio
 
@@ -737,6 +738,197 @@ def main(argv: list[str] | None = None) -> int:
     )
     log(f"done in {took / 60:.1f} min")
     return 0
+
+
+# -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
+TITLE = "Throughput"
+
+
+def _render_throughput_medians(doc: dict[str, Any]) -> str:
+    """Results written before the paired rounds (ratios of medians only)."""
+    rows = [
+        [
+            f"`{name}`",
+            pages.num(s.get("samples_per_s_median"), 0),
+            pages.num(s.get("rate_ratio_vs_torchrun"), suffix="x"),
+            pages.num(s.get("median_s")),
+            pages.num(s.get("wall_ratio_vs_torchrun"), suffix="x"),
+            f"{s.get('runs')}{pages.errors(s)}",
+        ]
+        for name, s in doc["variants"].items()
+    ]
+    return (
+        f"Small CNN, DDP on 2 ranks, {doc.get('steps')} steps x batch {doc.get('batch_size')} "
+        f"({doc.get('warmup_steps')} warm-up steps not counted), "
+        f"OMP_NUM_THREADS={doc.get('omp_num_threads')}, median of {doc.get('repeats')}. "
+        "Wall time includes the launch.\n\n"
+        + pages.table(
+            ["variant", "samples/s", "vs torchrun", "wall s", "wall vs torchrun", "runs"], rows
+        )
+        + pages.notes(doc.get("notes"))
+    )
+
+
+def render(doc: dict[str, Any]) -> str:
+    """This benchmark\'s section of benchmarks/README.md, from its JSON."""
+    variants = doc["variants"]
+    if not any(isinstance(s.get("ratio_vs_torchrun"), dict) for s in variants.values()):
+        return _render_throughput_medians(doc)
+    default = doc.get("default", "ours_local_script")
+    rows, counters, lineages = [], [], []
+    for name, s in variants.items():
+        r = s.get("ratio_vs_torchrun") or {}
+        rows.append(
+            [
+                f"`{name}`",
+                s.get("description", "-"),
+                pages.num(s.get("samples_per_s_median"), 0),
+                pages.ci(r),
+                r.get("verdict", "-"),
+                pages.ci(s.get("step_ratio_vs_torchrun")),
+                pages.ci(s.get("ratio_vs_default")) if name != default else "-",
+                pages.num(s.get("median_s")),
+                pages.num(s.get("wall_ratio_vs_torchrun"), suffix="x"),
+                f"{pages.num(s.get('driver_cpu_median_s'))} / {pages.num(s.get('helpers_cpu_median_s'))}",
+                f"{s.get('runs')}{pages.errors(s)}",
+            ]
+        )
+        stime = s.get("stime_s_per_step")
+        counters.append(
+            [
+                f"`{name}`",
+                f"{pages.num(s.get('step_median_ms'))} / {pages.num(s.get('step_p90_ms'))} / "
+                f"{pages.num(s.get('step_p99_ms'))}",
+                pages.num(s.get("minflt_per_step"), 1),
+                pages.num(s.get("majflt_per_step"), 2),
+                pages.num(s.get("nvcsw_per_step"), 1),
+                pages.num(s.get("nivcsw_per_step"), 2),
+                pages.num(stime * 1000 if isinstance(stime, (int, float)) else None, 2),
+                pages.num(s.get("minflt_before_steady"), 0),
+                f"{pages.num(s.get('other_cores'), 2)} ({pages.num(s.get('other_cores_max'), 2)})",
+                pages.num(s.get("steal_cores"), 2),
+                f"{pages.num(s.get('gc_collections_per_run'), 1)} ({pages.num(s.get('gc_full_per_run'), 1)})",
+                pages.num(s.get("rss_mib"), 0),
+                pages.num(s.get("shared_dirty_mib_before"), 0),
+                ", ".join(s.get("threads_seen") or []) or "-",
+                ", ".join(map(str, s.get("gc_frozen_seen") or [])) or "-",
+            ]
+        )
+        if s.get("ancestry_seen"):
+            lineages.append(f"`{name}`: " + "; ".join(f"`{a}`" for a in s["ancestry_seen"]))
+    confidence = doc.get("confidence", 0.95)
+    return (
+        f"Small CNN, DDP on 2 ranks, {doc.get('steps')} steps x batch {doc.get('batch_size')} "
+        f"after {doc.get('warmup_steps')} warm-up steps, "
+        f"OMP_NUM_THREADS={doc.get('omp_num_threads')}; {doc.get('repeats')} paired rounds "
+        f"(each runs every variant once, the order rotated, after {doc.get('warmup_rounds', 1)} "
+        f"dropped warm-up round(s)), {pages.num((doc.get('duration_s') or 0) / 60, 0)} min in all. "
+        "*vs torchrun*: the geometric mean over rounds of the variant's samples/s over bare "
+        f"torchrun's in the same round, with a bootstrap {confidence:.0%} confidence interval "
+        "(resampling rounds); a CI that excludes 1.000x is a difference (*verdict*). *from "
+        "median step*: the same from rank 0's median step time (robust to stalls). *vs "
+        f"default*: paired the same way with `{default}`. Wall time includes the launch. "
+        "*CPU s*: medians per run of the driver's own CPU and of its long-lived descendants' "
+        "(such as the warm agent's fork server) during the run.\n\n"
+        + pages.table(
+            [
+                "variant",
+                "what",
+                "samples/s",
+                "vs torchrun (95% CI)",
+                "verdict",
+                "from median step",
+                "vs default",
+                "wall s",
+                "wall vs torchrun",
+                "CPU s: driver / helpers",
+                "runs",
+            ],
+            rows,
+        )
+        + "\n\nInside the ranks, steady-state steps only, per step (means over ranks 0 and 1 "
+        "and every run): `getrusage(RUSAGE_SELF)` deltas, all of the rank's threads. "
+        "Copy-on-write faults on a heap inherited from the agent would show as minor faults "
+        "per step; thread-pool state as thread counts and involuntary context switches. "
+        "*other cores busy*: the machine's busy CPU during rank 0's steady state less both "
+        "ranks' own, in cores (mean, and the worst run): anything else that ran, our launcher's "
+        "processes included; *steal*: CPU the hypervisor gave to other guests.\n\n"
+        + pages.table(
+            [
+                "variant",
+                "step ms p50 / p90 / p99",
+                "minor faults",
+                "major faults",
+                "voluntary ctx sw",
+                "involuntary ctx sw",
+                "system CPU ms",
+                "minor faults before steady state",
+                "other cores busy (max)",
+                "steal cores",
+                "gc collections / run (full)",
+                "RSS MiB",
+                "shared dirty MiB",
+                "threads intra/inter/CPUs/OS",
+                "gc-frozen objects",
+            ],
+            counters,
+        )
+        + (
+            "\n\nA rank's ancestors up to the driver (a warm agent is forked from a fork "
+            "server, which shows as one more level):\n\n" + "\n".join(f"- {x}" for x in lineages)
+            if lineages
+            else ""
+        )
+        + pages.notes(doc.get("notes"))
+    )
+
+
+def _throughput_summary_row(doc: dict[str, Any]) -> list[str]:
+    """The default's paired ratio with its CI (the slower payload), then the alternatives'."""
+    v = doc["variants"]
+
+    def point(name: str) -> float:
+        return (v[name].get("ratio_vs_torchrun") or {}).get("geomean") or 0.0
+
+    defaults = [n for n in ("ours_local_script", "ours_local_fn") if n in v]
+    default = min(defaults, key=point) if defaults else None
+    labels = ["default: ranks forked from the agent"]
+    values = [pages.ci(v[default].get("ratio_vs_torchrun"), 2) if default else "-"]
+    for suffix, label in (("_spawn", "spawned ranks"), ("_cold", "warm agent off")):
+        for name in v:
+            if name.startswith("ours") and name.endswith(suffix):
+                labels.append(label)
+                values.append(pages.ci(v[name].get("ratio_vs_torchrun"), 2))
+    rounds = (v[default].get("ratio_vs_torchrun") or {}).get("rounds") if default else None
+    return [
+        "throughput, DDP CNN",
+        f"samples/s / bare torchrun's, geometric mean of {rounds} paired rounds (95% CI): "
+        + "; ".join(labels),
+        "; ".join(values),
+        "-",
+    ]
+
+
+def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """README's headline row: paired ratios with CIs, or (older files) plain rate ratios."""
+    v = doc["variants"]
+    if any(isinstance(s.get("ratio_vs_torchrun"), dict) for s in v.values()):
+        return [_throughput_summary_row(doc)]
+    rates = {
+        name: s.get("rate_ratio_vs_torchrun")
+        for name, s in v.items()
+        if name.startswith("ours") and s.get("rate_ratio_vs_torchrun") is not None
+    }
+    forked = min((r for n, r in rates.items() if not n.endswith("_spawn")), default=None)
+    spawned = min((r for n, r in rates.items() if n.endswith("_spawn")), default=None)
+    return [
+        [
+            "throughput, DDP CNN",
+            "samples/s / bare torchrun's (forked; spawned ranks)",
+            f"{pages.num(forked, suffix='x')}; {pages.num(spawned, suffix='x')}",
+            "-",
+        ]
+    ]
 
 
 if __name__ == "__main__":

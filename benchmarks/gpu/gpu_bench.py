@@ -33,6 +33,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 ALLREDUCE = HERE / "allreduce.py"
 RESNET = HERE / "resnet_bench.py"
+#: Where run_all.py finds this benchmark's result, under benchmarks/results/ (gpu_check.sh).
+RESULT = Path("gpu") / "gpu_bench.json"
 
 
 def _result_line(text: str) -> dict[str, Any]:
@@ -216,6 +218,64 @@ def main() -> None:
     for label, bare, mine in rows:
         print(f"{label:32}{bare:12.2f}{mine:12.2f}{mine / bare:15.3f}")
     print(f"\n{nproc} rank(s), device {first['device']}; JSON: {out / 'gpu_bench.json'}")
+
+
+# -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
+TITLE = "GPU"
+
+
+def render(doc: dict[str, Any] | None) -> str:
+    """The GPU comparison (``gpu_check.sh run``), or how to get it when there is none yet."""
+    import pages  # benchmarks/, on the path of run_all.py, which renders this
+
+    how = (
+        "`bash benchmarks/gpu_check.sh prepare` (here, with network) downloads the cp312 wheels a "
+        "GPU machine without Java or pyspark may lack (pendulum, psutil, pytest; about 3 MB) into "
+        "`benchmarks/gpu/wheels` (git-ignored); `bash benchmarks/gpu_check.sh run` (on the GPU "
+        "machine) installs them into a private directory, runs the GPU tests "
+        "(`tests/frameworks/test_gpu.py`: a distinct GPU per rank, the DDP example as function "
+        "and script, Lightning, FSDP, a ResNet-50 step) and `benchmarks/gpu/gpu_bench.py`: local "
+        "mode with `use_gpu=True` and NCCL vs bare torchrun, launch (one all-reduce) and DDP "
+        "ResNet-50 on synthetic 224x224 images, alternating, medians and ratios. It writes "
+        "`gpu_bench.json` to `$OUT` (the device tool's folder) or `benchmarks/results/gpu/`; "
+        f"this page renders `benchmarks/results/{RESULT.as_posix()}` when it is there."
+    )
+    if doc is None:
+        return f"{how}\n\n**Not run yet**: there is no `benchmarks/results/{RESULT.as_posix()}`."
+    env = doc.get("environment", {})
+    launch = doc.get("launch", {})
+    thr = doc.get("throughput", {})
+    lm = launch.get("median_s", {})
+    ips = thr.get("median_images_per_s", {})
+    walls = thr.get("median_wall_s", {})
+    rows = [
+        [
+            "launch wall s (median)",
+            pages.num(lm.get("torchrun")),
+            pages.num(lm.get("ours")),
+            pages.num(launch.get("ratio_ours_to_torchrun"), 3, "x"),
+        ],
+        [
+            "ResNet-50 images/s (median)",
+            pages.num(ips.get("torchrun"), 0),
+            pages.num(ips.get("ours"), 0),
+            pages.num(thr.get("ratio_ours_to_torchrun"), 3, "x"),
+        ],
+        [
+            "ResNet-50 run wall s (median)",
+            pages.num(walls.get("torchrun")),
+            pages.num(walls.get("ours")),
+            pages.num(thr.get("wall_ratio_ours_to_torchrun"), 3, "x"),
+        ],
+    ]
+    gpus = ", ".join(env.get("gpus") or []) or env.get("machine", "-")
+    return (
+        how + f"\n\n{doc.get('nproc')} rank(s), median of {doc.get('repeats')}, "
+        f"config {json.dumps(thr.get('config', {}), sort_keys=True)}:\n\n"
+        + pages.table(["figure", "torchrun", "ours", "ours / torchrun"], rows)
+        + f"\n\n*{gpus}; {env.get('cpus')} CPUs; Python {env.get('python')}, torch "
+        f"{env.get('torch')}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}; {env.get('time')}*"
+    )
 
 
 if __name__ == "__main__":
