@@ -40,6 +40,7 @@ python=(python)
 if [ "$coverage" = 1 ]; then
   # Every Python started from here is measured (coverage's patch = subprocess, in pyproject).
   export COVERAGE_FILE="$root/.state/coverage/data"
+  export SPARKTORCH_OPS_DIR="$root/sparktorch_ops"  # what pyproject's [tool.coverage.run] measures
   rm -rf "$root/.state/coverage"
   mkdir -p "$root/.state/coverage"
   python=(python -m coverage run)
