@@ -9,6 +9,7 @@ Scripts travel as their bytes, so they need not exist on the executors
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -18,7 +19,7 @@ import sysconfig
 import threading
 import types
 from collections import ChainMap
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -28,8 +29,38 @@ import cloudpickle
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.wire.payload import FunctionCall, Payload, Script
 
-_REGISTRY_LOCK = threading.Lock()
 _MAX_BY_VALUE_MODULES = 64
+# Registrations made here, by (pickler, module): runs in several threads share one, and the
+# last to leave removes it.
+_BY_VALUE_LOCK = threading.Lock()
+_BY_VALUE_USERS: dict[tuple[str, str], int] = {}
+
+
+@contextlib.contextmanager
+def pickled_by_value(pickler: types.ModuleType, module: types.ModuleType) -> Iterator[None]:
+    """Pickle ``module`` by value with ``pickler`` (cloudpickle, or pyspark's copy of it) while
+    the block runs.
+
+    The registry is process-global: concurrent runs share a registration (counted), and one
+    the caller made before stays as it was.
+    """
+    key = (pickler.__name__, module.__name__)
+    with _BY_VALUE_LOCK:
+        users = _BY_VALUE_USERS.get(key, 0)
+        ours = users > 0 or module.__name__ not in pickler.list_registry_pickle_by_value()
+        if ours:
+            if users == 0:
+                pickler.register_pickle_by_value(module)
+            _BY_VALUE_USERS[key] = users + 1
+    try:
+        yield
+    finally:
+        if ours:
+            with _BY_VALUE_LOCK:
+                _BY_VALUE_USERS[key] -= 1
+                if _BY_VALUE_USERS[key] == 0:
+                    del _BY_VALUE_USERS[key]
+                    pickler.unregister_pickle_by_value(module)
 
 
 @dataclass(frozen=True)
@@ -122,26 +153,19 @@ def pickle_call(
 ) -> bytes:
     """cloudpickle ``(fn, args, kwargs)``, shipping non-importable user modules by value."""
     modules = _user_modules(fn)
-    with _REGISTRY_LOCK:
-        registered = []
-        try:
+    try:
+        with contextlib.ExitStack() as registrations:
             for module in modules:
-                # A module the caller registered stays registered after this call.
-                if module.__name__ not in cloudpickle.list_registry_pickle_by_value():
-                    cloudpickle.register_pickle_by_value(module)
-                    registered.append(module)
+                registrations.enter_context(pickled_by_value(cloudpickle, module))
             buffer = io.BytesIO()
             _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump((fn, args, kwargs))
             return buffer.getvalue()
-        except Exception as exc:
-            raise ConfigError(
-                argument,
-                f"{getattr(fn, '__qualname__', fn)!r} or its arguments cannot be pickled for "
-                f"the ranks: {type(exc).__name__}: {exc}",
-            ) from exc
-        finally:
-            for module in registered:
-                cloudpickle.unregister_pickle_by_value(module)
+    except Exception as exc:
+        raise ConfigError(
+            argument,
+            f"{getattr(fn, '__qualname__', fn)!r} or its arguments cannot be pickled for "
+            f"the ranks: {type(exc).__name__}: {exc}",
+        ) from exc
 
 
 def _code_reduce_keeping_filename(code: types.CodeType) -> Any:

@@ -65,10 +65,13 @@ def _local_gpus(job: TrainingJob) -> tuple[str, ...] | None:
 
 
 @contextlib.contextmanager
-def _session(job: TrainingJob, log: logging.Logger) -> Iterator[spark_support.SessionHandle]:
+def _session(
+    job: TrainingJob, run_id: str, log: logging.Logger
+) -> Iterator[spark_support.SessionHandle]:
     handle = spark_support.get_session(job.spark, log)
     try:
-        yield handle
+        with spark_support.jobs_of_run(handle.session, run_id, log):
+            yield handle
     finally:
         try:
             spark_support.stop_session(handle)
@@ -79,6 +82,7 @@ def _session(job: TrainingJob, log: logging.Logger) -> Iterator[spark_support.Se
 @contextlib.contextmanager
 def prepare(
     job: TrainingJob,
+    run_id: str,
     machine: RunStateMachine,
     log: logging.Logger,
     check_cancelled: Callable[[], None],
@@ -106,15 +110,17 @@ def prepare(
             yield Prepared(None, _local_gpus(job), None)
         elif job.data.dataframe is not None:
             # The DataFrame's own session streams it to the driver.
-            data = checked_input(job.data.dataframe.sparkSession)
-            yield Prepared(None, _local_gpus(job), data)
+            session = job.data.dataframe.sparkSession
+            with spark_support.jobs_of_run(session, run_id, log):
+                data = checked_input(session)
+                yield Prepared(None, _local_gpus(job), data)
         else:
             # SQL, a table or a path: a session from the job's settings reads it.
-            with _session(job, log) as handle:
+            with _session(job, run_id, log) as handle:
                 data = checked_input(handle.session)
                 yield Prepared(None, _local_gpus(job), data)
         return
-    with _session(job, log) as handle:
+    with _session(job, run_id, log) as handle:
         session = handle.session
         sc = spark_support.conf_source(session)  # a Connect session stands in for a context
         connect = spark_support.is_connect_session(session)
@@ -130,6 +136,6 @@ def prepare(
         if connect:
             preflight.check_barrier_over_connect(session, spec, machine.emit)
         else:
-            preflight.check_barrier(sc, spec, lambda: job.cancel_token.cancelled, machine.emit)
+            preflight.check_barrier(sc, spec, lambda: job.cancel_token.cancelled, machine.emit, log)
             check_cancelled()
         yield Prepared(sc, None, checked_input(session))

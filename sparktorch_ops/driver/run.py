@@ -142,7 +142,7 @@ class Run:
         started = time.monotonic()
         machine.to(RunState.PREPARING)
         machine.emit(events.PAYLOAD_PACKED, payload=describe(payload))
-        with prepare(self.job, machine, log, self.check_cancelled) as prepared:
+        with prepare(self.job, self.run_id, machine, log, self.check_cancelled) as prepared:
             with launch(
                 spec,
                 payload,

@@ -99,10 +99,11 @@ class BarrierLauncher:
         sc, plan = self._sc, self._plan
         sc.addJobTag(plan.run_id)
         try:
-            sc.setInterruptOnCancel(True)
-            sc.setLocalProperty(
-                "spark.job.description",
+            # The run's job group (its Spark lines go to its logger, see spark/jvm_log.py).
+            sc.setJobGroup(
+                plan.run_id,
                 f"sparktorch_ops {plan.run_id}: {plan.num_processes} ranks",
+                interruptOnCancel=True,
             )
             num_tasks = plan.layout.num_tasks
             if self._data is not None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sparktorch_ops import events
+from sparktorch_ops.driver.packing import pickled_by_value
 from sparktorch_ops.driver.planning import barrier_layout, check_slots, registration_grace
 from sparktorch_ops.errors import ConfigError, StartTimeoutError
 from sparktorch_ops.spark.session import conf_true, conf_value, parse_master, task_gpu_amount
@@ -31,12 +32,13 @@ def check_barrier(
     spec: LaunchSpec,
     cancelled: Callable[[], bool],
     emit: Callable[..., None],
+    log: Any,
 ) -> None:
     """Barrier mode on a classic session: settings, layout, slots (waiting as
     :func:`wait_for_slots` does) and the executors' Python, each step an event."""
     check_barrier_conf(sc)
     layout = barrier_layout(spec.num_processes, spec.use_gpu, task_gpu_amount(sc))
-    wait_for_slots(sc, layout.num_tasks, spec.start_timeout, cancelled)
+    wait_for_slots(sc, layout.num_tasks, spec.start_timeout, cancelled, log)
     if cancelled():
         return
     emit(events.SLOTS_READY, tasks=layout.num_tasks)
@@ -137,39 +139,99 @@ def wait_for_slots(
     required_tasks: int,
     start_timeout: float | None,
     cancelled: Callable[[], bool],
+    log: Any = None,
 ) -> None:
-    """Wait until the cluster has ``required_tasks`` barrier slots, or fail before launch.
+    """Wait until the cluster has ``required_tasks`` barrier slots free, or fail before launch.
 
-    Without ``start_timeout`` a run waits only while a just-started application's executors
-    may still be registering (Spark's own start-up wait, cut short once every executor Spark
-    expects is there); with it, up to ``start_timeout``.
+    First the cluster must have that many slots at all. Without ``start_timeout`` a run waits
+    for them only while a just-started application's executors may still be registering
+    (Spark's own start-up wait, cut short once every executor Spark expects is there); with
+    it, up to ``start_timeout``. Then, while other jobs of the application hold slots (another
+    run's barrier stage, say), the run waits for enough of them to free up (saying so once at
+    INFO): up to ``start_timeout``, without it until they do. ``cancelled`` ends either wait.
 
     Raises:
-        ResourceError: too few slots and no start_timeout.
-        StartTimeoutError: still too few when start_timeout ran out.
+        ResourceError: too few slots in the cluster and no start_timeout.
+        StartTimeoutError: still too few (or too few free) when start_timeout ran out.
     """
+    started = time.monotonic()
     if start_timeout is None:
         wait_s = _registration_grace_s(sc)
         expected = expected_executors(sc.master or "", conf_value(sc, "spark.executor.instances"))
     else:
         wait_s, expected = start_timeout, None
-    deadline = time.monotonic() + wait_s
+    deadline = started + wait_s
     while True:
         # Registration first: the slots read after it count every executor it saw.
         everyone_registered = expected is not None and _executor_count(sc) >= expected
         slots = available_slots(sc)
-        if slots >= required_tasks or cancelled():
+        if cancelled():
             return
-        if everyone_registered or time.monotonic() >= deadline:
+        if slots >= required_tasks:
             break
-        time.sleep(0.25)
-    if start_timeout is not None:
-        raise StartTimeoutError(
-            "start_timeout",
-            start_timeout,
-            f"the run needs {required_tasks} barrier task slots but only {slots} registered",
-        )
-    check_slots(required_tasks, slots, waited=False)
+        if everyone_registered or time.monotonic() >= deadline:
+            if start_timeout is not None:
+                raise StartTimeoutError(
+                    "start_timeout",
+                    start_timeout,
+                    f"the run needs {required_tasks} barrier task slots but only {slots} "
+                    "registered",
+                )
+            check_slots(required_tasks, slots, waited=False)
+        time.sleep(_SLOT_POLL_S)
+    _wait_for_free_slots(sc, required_tasks, started, start_timeout, cancelled, log)
+
+
+_SLOT_POLL_S = 0.25
+# Spark's status store lags its scheduler: a stage that just ended may still count as busy for
+# a moment, so a wait is announced only once it has lasted this long.
+_SAY_WAITING_AFTER_S = 1.0
+
+
+def busy_slots(sc: SparkContext) -> int:
+    """Task slots the application's running tasks hold now (as Spark's status store has it)."""
+    tracker = sc.statusTracker()
+    busy = 0
+    for stage in tracker.getActiveStageIds():
+        info = tracker.getStageInfo(stage)
+        if info is not None:
+            busy += int(info.numActiveTasks)
+    return busy
+
+
+def _wait_for_free_slots(
+    sc: SparkContext,
+    required_tasks: int,
+    started: float,
+    start_timeout: float | None,
+    cancelled: Callable[[], bool],
+    log: Any,
+) -> None:
+    said = False
+    while not cancelled():
+        slots = available_slots(sc)
+        busy = busy_slots(sc)
+        if slots - busy >= required_tasks:
+            return
+        waited = time.monotonic() - started
+        if start_timeout is not None and waited >= start_timeout:
+            raise StartTimeoutError(
+                "start_timeout",
+                start_timeout,
+                f"the run waited for {required_tasks} free barrier task slots, but {busy} of "
+                f"the cluster's {slots} stayed busy with other jobs",
+            )
+        if not said and log is not None and waited >= _SAY_WAITING_AFTER_S:
+            log.info(
+                "sparktorch_ops: waiting for %d free barrier task slots: %d of the cluster's "
+                "%d are busy with other jobs%s",
+                required_tasks,
+                busy,
+                slots,
+                f" (start_timeout {start_timeout:g} s)" if start_timeout is not None else "",
+            )
+            said = True
+        time.sleep(_SLOT_POLL_S)
 
 
 def probe_executors(sc: SparkContext, num_tasks: int) -> list[dict[str, Any]]:
@@ -188,14 +250,14 @@ def probe_executors(sc: SparkContext, num_tasks: int) -> list[dict[str, Any]]:
     if executors in _PROBED:
         return _PROBED[executors]
     driver_python = f"{sys.version_info.major}.{sys.version_info.minor}"
-    spark_cloudpickle.register_pickle_by_value(_probe)
     try:
-        rdd = sc.parallelize(range(num_tasks), num_tasks).mapPartitions(_probe.probe_executor)
-        sc.setLocalProperty("spark.job.description", "sparktorch_ops: executor check")
-        try:
-            found: list[dict[str, Any]] = rdd.collect()
-        finally:
-            sc.setLocalProperty("spark.job.description", None)  # type: ignore[arg-type]
+        with pickled_by_value(spark_cloudpickle, _probe):
+            rdd = sc.parallelize(range(num_tasks), num_tasks).mapPartitions(_probe.probe_executor)
+            sc.setLocalProperty("spark.job.description", "sparktorch_ops: executor check")
+            try:
+                found: list[dict[str, Any]] = rdd.collect()
+            finally:
+                sc.setLocalProperty("spark.job.description", None)  # type: ignore[arg-type]
     except Exception as exc:
         text = str(exc)
         if "PYTHON_VERSION_MISMATCH" in text or "different version" in text:
@@ -206,8 +268,6 @@ def probe_executors(sc: SparkContext, num_tasks: int) -> list[dict[str, Any]]:
                 "and sparktorch_ops",
             ) from None
         raise
-    finally:
-        spark_cloudpickle.unregister_pickle_by_value(_probe)
     for executor in found:
         if executor["python"] != driver_python:
             raise ConfigError(

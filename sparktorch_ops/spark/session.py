@@ -7,12 +7,14 @@ block, the CLI) goes through :func:`get_session` and :func:`stop_session`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import socket
 import sys
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -261,11 +263,18 @@ def get_session(settings: SparkSettings, log: Any = None) -> SessionHandle:
     if settings.master is not None and parse_master(settings.master).is_connect:
         # A client may hold any number of Connect sessions: the one asked for, never another.
         return _connect_session(settings, log)
-    active = active_session()
-    if active is not None:
-        jvm_log.route_to(log)
-        _reuse(active, settings, log)
-        return SessionHandle(active, created=False)
+    with _SESSIONS.lock:  # one run at a time decides whether to start the process's session
+        active = active_session()
+        if active is not None:
+            _reuse(active, settings, log)
+            _SESSIONS.join(active)
+            return SessionHandle(active, created=False)
+        handle = _start_session(settings, log)
+        _SESSIONS.join(handle.session)
+        return handle
+
+
+def _start_session(settings: SparkSettings, log: Any) -> SessionHandle:
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
@@ -282,7 +291,6 @@ def get_session(settings: SparkSettings, log: Any = None) -> SessionHandle:
         "sparktorch_ops: starting a SparkSession (master %s)",
         settings.master or "from the environment",
     )
-    jvm_log.route_to(log)
     try:
         if jvm_started and "PYSPARK_GATEWAY_PORT" not in os.environ:
             # The JVM's console output becomes log records, not raw stderr (which Airflow's
@@ -410,31 +418,81 @@ def _reuse(session: Any, settings: SparkSettings, log: Any) -> None:
         )
 
 
+class _SessionUsers:
+    """Which runs use the process's classic session now: the last one to leave stops it if
+    a run started it to be stopped (runs in several threads share one SparkContext)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._users: dict[int, int] = {}  # id(session) -> runs using it
+        self._to_stop: dict[int, SessionHandle] = {}  # id(session) -> the handle that started it
+
+    def join(self, session: Any) -> None:
+        self._users[id(session)] = self._users.get(id(session), 0) + 1
+
+    def leave(self, handle: SessionHandle) -> SessionHandle | None:
+        """``handle``'s run is done with its session: the handle to stop it with, if it was
+        the last user and a run asked for the stop; else None."""
+        key = id(handle.session)
+        if handle.created and handle.stop_when_done:
+            self._to_stop[key] = handle
+        users = self._users.get(key, 1) - 1
+        if users > 0:
+            self._users[key] = users
+            return None
+        self._users.pop(key, None)
+        return self._to_stop.pop(key, None)
+
+
+_SESSIONS = _SessionUsers()
+
+
 def stop_session(handle: SessionHandle) -> None:
-    """Stop a session that :func:`get_session` started for a run; leave any other alone.
+    """A run is done with its session: stop it when :func:`get_session` started it for a run
+    that asked for the stop and no other run uses it; leave any other alone.
 
     pyspark starts its JVM with the first session's settings as Java system properties, which
     every later SparkContext of the process would inherit (``airflow dags test`` runs every
     task in one process): a session that started the JVM takes its settings away with it.
     """
-    if not (handle.created and handle.stop_when_done):
-        return
-    if is_connect_session(handle.session):
+    if is_connect_session(handle.session):  # a session of its own per run
+        if not (handle.created and handle.stop_when_done):
+            return
         if connect_server_reachable(handle.session):
             handle.session.stop()  # releases the server-side session; nothing runs here
         else:  # stop() would retry its release call for minutes
             handle.session.client.close()
         return
-    sc = handle.session.sparkContext
-    jvm = sc._jvm
-    handle.session.stop()
-    jvm_log.route_to(None)  # the run's logger may be gone with the run (a task's adapter)
-    if handle.jvm_started and jvm is not None:
-        for key in handle.keys:
-            try:
-                jvm.java.lang.System.clearProperty(key)
-            except Exception:  # the JVM may be going away too
-                pass
+    with _SESSIONS.lock:
+        starter = _SESSIONS.leave(handle)
+        if starter is None:
+            return
+        sc = starter.session.sparkContext
+        jvm = sc._jvm
+        starter.session.stop()
+        if starter.jvm_started and jvm is not None:
+            for key in starter.keys:
+                try:
+                    jvm.java.lang.System.clearProperty(key)
+                except Exception:  # the JVM may be going away too
+                    pass
+
+
+@contextlib.contextmanager
+def jobs_of_run(session: Any, run_id: str, log: Any) -> Iterator[None]:
+    """While the block runs, the Spark jobs this thread submits are run ``run_id``'s (its job
+    group) and the JVM's lines about them go to ``log``. A Connect session's JVM is on the
+    server: nothing to route."""
+    if is_connect_session(session):
+        yield
+        return
+    sc = session.sparkContext
+    sc.setJobGroup(run_id, f"sparktorch_ops {run_id}")
+    jvm_log.attach(run_id, log, sc.statusTracker())
+    try:
+        yield
+    finally:
+        jvm_log.detach(run_id)
 
 
 def sql_functions(dataframe: Any) -> Any:

@@ -29,16 +29,12 @@ from sparktorch_ops.results import OUTPUT_CUT_NOTE
 from sparktorch_ops.wire.env import RUN_ID_ENV
 from tests.faults.training import long_training
 from tests.support.driver import run_driver
-from tests.support.records import Collect
+from tests.support.records import Collect, collecting_logger
 
 
 @pytest.fixture
 def collected() -> Iterator[tuple[logging.Logger, Collect]]:
-    logger = logging.getLogger(f"test.limits.{id(object())}")
-    logger.propagate = False
-    logger.setLevel(logging.DEBUG)
-    handler = Collect()
-    logger.addHandler(handler)
+    logger, handler = collecting_logger("test.limits")
     yield logger, handler
     logger.removeHandler(handler)
 

@@ -18,3 +18,14 @@ class Collect(logging.Handler):
     def messages(self) -> list[str]:
         """Every record's message, formatted."""
         return [record.getMessage() for record in self.records]
+
+
+def collecting_logger(name: str) -> tuple[logging.Logger, Collect]:
+    """A fresh logger of its own (``name`` plus a unique suffix), at DEBUG, not propagating,
+    whose records a :class:`Collect` keeps."""
+    logger = logging.getLogger(f"{name}.{id(object())}")
+    logger.propagate = False
+    logger.setLevel(logging.DEBUG)
+    collect = Collect()
+    logger.addHandler(collect)
+    return logger, collect

@@ -18,7 +18,7 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from sparktorch_ops.driver.packing import pickle_call, prepare
+from sparktorch_ops.driver.packing import pickle_call, pickled_by_value, prepare
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.wire.payload import (
     FunctionCall,
@@ -259,6 +259,49 @@ def test_a_callers_own_by_value_registration_survives(
     finally:
         with contextlib.suppress(ValueError):
             cloudpickle.unregister_pickle_by_value(module)  # type: ignore[arg-type]
+
+
+def test_overlapping_runs_share_a_by_value_registration_until_the_last_leaves(
+    driver_only_modules: tuple[object, Path],
+) -> None:
+    """Two runs in two threads register the same module: the first to finish must not take
+    it away from the other (the registry is process-global)."""
+    module, _ = driver_only_modules
+    name = module.__name__  # type: ignore[attr-defined]
+    first = pickled_by_value(cloudpickle, module)  # type: ignore[arg-type]
+    second = pickled_by_value(cloudpickle, module)  # type: ignore[arg-type]
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert name in cloudpickle.list_registry_pickle_by_value()
+    second.__exit__(None, None, None)
+    assert name not in cloudpickle.list_registry_pickle_by_value()
+
+
+def test_packing_from_many_threads_at_once_leaves_every_pickle_by_value(
+    driver_only_modules: tuple[object, Path],
+) -> None:
+    module, main_file = driver_only_modules
+    pickled: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def pack() -> None:
+        try:
+            for _ in range(20):
+                pickled.append(pickle_call(module.train, (1,), {}))  # type: ignore[attr-defined]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=pack) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(pickled) == 80
+    # By value every time: the bytes carry the function's code (with its file name), not a
+    # reference to a module the ranks cannot import.
+    assert all(str(main_file).encode() in data for data in pickled)
+    assert module.__name__ not in cloudpickle.list_registry_pickle_by_value()  # type: ignore[attr-defined]
 
 
 # --- what a rank reads -------------------------------------------------------------------------

@@ -89,3 +89,19 @@ def test_expected_executors_from_instances_or_local_cluster() -> None:
     assert preflight.expected_executors("spark://127.0.0.1:7077", None) is None
     assert preflight.expected_executors("k8s://x", "not-a-number") is None
     assert preflight.expected_executors("not a master", None) is None
+
+
+def test_a_shared_session_is_stopped_by_the_last_run_to_leave_it() -> None:
+    """Run A starts the session (to be stopped), run B reuses it: A's end must not stop it
+    under B; B's end stops it, with A's handle (the settings to clear)."""
+    users = spark_support._SessionUsers()
+    session = object()
+    started = spark_support.SessionHandle(session, created=True, stop_when_done=True)
+    reused = spark_support.SessionHandle(session, created=False)
+    users.join(session)
+    users.join(session)
+    assert users.leave(started) is None
+    assert users.leave(reused) is started
+    # A session a run found running (not started for it) is never stopped by a run.
+    users.join(session)
+    assert users.leave(reused) is None
