@@ -100,8 +100,10 @@ class TorchDistributorOperator(BaseOperator):
         **kwargs: BaseOperator arguments (``task_id``, ``retries``, ``execution_timeout``...).
     """
 
+    # ``train`` is rendered in ``execute``, and only when it is a script's path: Airflow calls a
+    # callable template field with the context, also in a mapped task (which renders with
+    # these class-level fields), and a training function must reach the ranks as it is.
     template_fields: Sequence[str] = (
-        "train",
         "train_args",
         "train_kwargs",
         "spark_conf",
@@ -162,10 +164,6 @@ class TorchDistributorOperator(BaseOperator):
     ) -> None:
         super().__init__(**kwargs)
         self.train = os.fspath(train) if isinstance(train, os.PathLike) else train
-        if callable(self.train):
-            # Airflow calls a callable template field with the context to render it; a training
-            # function must reach the ranks as it is.
-            self.template_fields = tuple(f for f in type(self).template_fields if f != "train")
         self.train_args = list(train_args) if train_args is not None else []
         self.train_kwargs = dict(train_kwargs) if train_kwargs is not None else {}
         for name, value in options.values_of("operator", locals()).items():
@@ -200,8 +198,11 @@ class TorchDistributorOperator(BaseOperator):
                     self.mlflow_tracking_uri, self.mlflow_experiment, self.mlflow_conn_id, self.log
                 ),
             }
+            train = self.train
+            if isinstance(train, str):
+                train = self.render_template(train, context)
             job = build_job(
-                train=self.train,
+                train=train,
                 train_args=self.train_args,
                 train_kwargs=self.train_kwargs,
                 spark=self._spark_settings(),
