@@ -252,25 +252,16 @@ def champion_file(state: str) -> str | None:
     return str(path)
 
 
-def publish(
-    state: str, run_id: str, state_dict: dict[str, Any], metrics: dict[str, float]
-) -> dict[str, Any]:
-    """Log the evaluation and the model on the training's MLflow run, register a new version of
-    ``digits-cnn``, and move the ``champion`` alias to it only if it beats the champion.
-
-    Returns:
-        ``{"version", "run_id", "metrics", "promoted", "previous"}`` (``previous``: the
-        champion before, or None).
-    """
+def register(state: str, run_id: str, state_dict: dict[str, Any], metrics: dict[str, float]) -> str:
+    """Log the evaluation and the model on the training's MLflow run and register it as a new
+    version of ``digits-cnn`` (no alias moves); the version."""
     import mlflow
     import numpy as np
     import torch
     from ddp_train import DigitsCNN
     from mlflow.tracking import MlflowClient
 
-    uri = tracking_uri(state)
-    client = MlflowClient(uri)
-    previous = champion(state)
+    client = MlflowClient(tracking_uri(state))
     for key, value in metrics.items():
         client.log_metric(run_id, f"test_{key}", value)
     model = DigitsCNN()
@@ -296,10 +287,35 @@ def publish(
             )
     finally:
         fluent._active_experiment_id = active_experiment
-    version = str(info.registered_model_version)
-    promoted = previous is None or metrics["accuracy"] > (previous["accuracy"] or 0.0)
+    return str(info.registered_model_version)
+
+
+def promote_if_better(
+    state: str, version: str, accuracy: float, previous: dict[str, Any] | None
+) -> bool:
+    """Move ``champion`` to ``version`` if its accuracy beats ``previous`` (the champion before,
+    or None); whether it moved."""
+    from mlflow.tracking import MlflowClient
+
+    promoted = previous is None or accuracy > (previous["accuracy"] or 0.0)
     if promoted:
-        client.set_registered_model_alias(MODEL_NAME, CHAMPION, version)
+        MlflowClient(tracking_uri(state)).set_registered_model_alias(MODEL_NAME, CHAMPION, version)
+    return promoted
+
+
+def publish(
+    state: str, run_id: str, state_dict: dict[str, Any], metrics: dict[str, float]
+) -> dict[str, Any]:
+    """Register the trained model (:func:`register`) and move the ``champion`` alias to it only
+    if it beats the champion.
+
+    Returns:
+        ``{"version", "run_id", "metrics", "promoted", "previous"}`` (``previous``: the
+        champion before, or None).
+    """
+    previous = champion(state)
+    version = register(state, run_id, state_dict, metrics)
+    promoted = promote_if_better(state, version, metrics["accuracy"], previous)
     return {
         "version": version,
         "run_id": run_id,
@@ -307,3 +323,27 @@ def publish(
         "promoted": promoted,
         "previous": previous,
     }
+
+
+def publish_best(state: str, candidates: list[dict[str, Any]]) -> dict[str, Any]:
+    """A sweep's end: register every candidate (``run_id``, ``state_dict``, ``metrics`` and its
+    ``params``) as a version, then move ``champion`` to the most accurate one only if it beats
+    the champion.
+
+    Returns:
+        ``{"versions": [{"version", "run_id", "params", "metrics"}...], "best": one of them,
+        "promoted", "previous"}``.
+    """
+    previous = champion(state)
+    versions = [
+        {
+            "version": register(state, c["run_id"], c["state_dict"], c["metrics"]),
+            "run_id": c["run_id"],
+            "params": c["params"],
+            "metrics": c["metrics"],
+        }
+        for c in candidates
+    ]
+    best = max(versions, key=lambda v: v["metrics"]["accuracy"])
+    promoted = promote_if_better(state, best["version"], best["metrics"]["accuracy"], previous)
+    return {"versions": versions, "best": best, "promoted": promoted, "previous": previous}

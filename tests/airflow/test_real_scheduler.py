@@ -30,7 +30,11 @@ def airflow_services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Airfl
     in its DAGs folder; pipeline state under the home."""
     home = tmp_path_factory.mktemp("airflow-services")
     extra = {"SPARKTORCH_STATE": str(home / "state"), "MLFLOW_TRACKING_URI": None}
-    dag_files = [ROOT / "dags" / "retrain_digits.py", TEST_DAGS / "sto_scheduled.py"]
+    dag_files = [
+        ROOT / "dags" / "retrain_digits.py",
+        ROOT / "dags" / "sweep_digits.py",
+        TEST_DAGS / "sto_scheduled.py",
+    ]
     with running_airflow(home, dag_files, extra) as services:
         yield services
 
@@ -151,3 +155,39 @@ def test_a_failed_training_try_is_retried_and_the_retry_trains(
         f"/dags/{dag_id}/dagRuns/{runs[dag_id]}/taskInstances/train/xcomEntries/return_value",
     )["value"]
     assert xcom["value"] == "trained on try 2", xcom
+
+
+def test_the_sweep_dag_trains_its_learning_rates_at_once(
+    airflow_services: AirflowServices,
+) -> None:
+    """The mapped trainings run side by side (LocalExecutor, parallelism 4), each with its own
+    MLflow run, and the best is promoted only if it beats the champion."""
+    from datetime import datetime
+
+    dag_id = "sweep_digits"
+    airflow_services.wait_for_dag(dag_id)
+    airflow_services.unpause(dag_id)
+    run_id = airflow_services.trigger(dag_id, {"epochs": 1})
+    assert airflow_services.wait_for_run(dag_id, run_id, timeout=900) == "success", (
+        airflow_services.task_states(dag_id, run_id)
+    )
+    mapped = airflow_services.api(
+        "GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/train/listMapped"
+    )["task_instances"]
+    assert sorted(ti["map_index"] for ti in mapped) == [0, 1, 2]
+    assert {ti["state"] for ti in mapped} == {"success"}
+    starts = [datetime.fromisoformat(ti["start_date"]) for ti in mapped]
+    ends = [datetime.fromisoformat(ti["end_date"]) for ti in mapped]
+    assert max(starts) < min(ends), list(zip(starts, ends, strict=True))  # all three overlapped
+    record = airflow_services.api(
+        "GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/publish/xcomEntries/return_value"
+    )["value"]
+    versions = record["versions"]
+    assert [v["params"]["lr"] for v in versions] == [0.02, 0.05, 0.1]
+    assert len({v["run_id"] for v in versions}) == 3  # an MLflow run per mapped instance
+    assert len({v["version"] for v in versions}) == 3
+    best = max(versions, key=lambda v: v["metrics"]["accuracy"])
+    assert record["best"]["version"] == best["version"]
+    previous = record["previous"]
+    beats = previous is None or best["metrics"]["accuracy"] > (previous["accuracy"] or 0.0)
+    assert record["promoted"] is beats
