@@ -46,6 +46,8 @@ ORDER = (
     "connect_launch",
     "airflow_scheduler",
     "served_flow",
+    "concurrency",
+    "sweep_dag",
 )
 SUMMARY_START = "<!-- bench-summary:start -->"
 SUMMARY_END = "<!-- bench-summary:end -->"
@@ -72,6 +74,8 @@ def commands(repeats: int, memory_runs: int) -> dict[str, list[str]]:
         "connect_launch": [py, str(BENCH_DIR / "connect_launch.py"), f"--repeats={repeats}"],
         "airflow_scheduler": [py, str(BENCH_DIR / "airflow_scheduler.py"), "--repeats=2"],
         "served_flow": [py, str(BENCH_DIR / "served_flow.py")],
+        "concurrency": [py, str(BENCH_DIR / "concurrency.py"), f"--repeats={repeats}"],
+        "sweep_dag": [py, str(BENCH_DIR / "sweep_dag.py")],
     }
 
 
@@ -159,6 +163,8 @@ tables give medians and ratios. The jobs run 2 ranks with gloo on CPU unless sta
 | forked vs fresh rank | `fork_ab.py` | one step of ours' rank and one of a bare torchrun rank in turn (FIFO token, same CPU), same CNN single-threaded: per-step speed ratio with a bootstrap CI; the control pairs bare torchrun with itself |
 | DataFrame input | `dataframe_input.py` | rows/s each rank gets from a 2M-4M row x 32 float32 DataFrame (`train_on_dataframe`, barrier mode) and its peak RSS: our `partition_loader` and our `get_spark_partition_data_loader` vs pyspark's `_get_spark_partition_data_loader` |
 | checkpoint | `checkpoint.py` | `sparktorch_ops.checkpoint` (`save` / `load_latest` on torch.distributed.checkpoint) of 100 MiB and 1000 MiB states: in one process next to `torch.save` / `torch.load`, and on 2 DDP ranks; and a save of the example's `DigitsCNN` next to one training step, as a share of an epoch |
+| sweep DAG | `sweep_dag.py` | `dags/sweep_digits.py` (three mapped trainings) under the real scheduler with the LocalExecutor's parallelism at 1 and at 3: the run's wall time |
+| several runs at once | `concurrency.py` | three 1-rank barrier runs on one `local[4]` session, from three threads at once vs one after another: wall time of all three |
 | GPU | `gpu/gpu_bench.py` | local mode with `use_gpu=True` and NCCL vs bare torchrun: launch, and DDP ResNet-50 images/s (see [GPU](#gpu)) |
 
 ## Running them

@@ -1,0 +1,174 @@
+"""Several trainings at once: three 1-rank barrier runs from three threads, against the same
+three one after another, on one ``local[4]`` session.
+
+Each run trains a small DDP job for a fixed number of steps (``--steps``, CPU, one thread per
+rank) and returns. Variants, alternated round by round:
+
+- ``sequential``: the three runs one after another from one thread;
+- ``concurrent``: the three runs started together from three threads.
+
+The figure is the wall time of all three, and the ratio concurrent / sequential: below 1 when
+the runs overlap (the cluster has the slots and the machine the cores).
+
+    python benchmarks/concurrency.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from typing import Any
+
+import common
+import pages
+from common import log, print_table, ratio
+
+common.prepare_environment()
+
+NAME = "concurrency"
+RUNS = 3
+
+
+def train_steps(steps: int) -> int:
+    """Run on the rank: ``steps`` SGD steps of a small MLP (one rank: DDP's work without a peer)."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.randn(64, 256)
+    target = torch.randint(0, 10, (64,))
+    for _ in range(steps):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(data), target).backward()
+        optimizer.step()
+    return steps
+
+
+def build_variants(session: Any, steps: int) -> dict[str, Any]:
+    from sparktorch_ops import TorchDistributor
+
+    def one() -> int:
+        distributor = TorchDistributor(
+            num_processes=1,
+            local_mode=False,
+            use_gpu=False,
+            spark=session,
+            logger=common.quiet_logger(),
+        )
+        return int(distributor.run(train_steps, steps))
+
+    def sequential() -> list[int]:
+        return [one() for _ in range(RUNS)]
+
+    def concurrent() -> list[int]:
+        values: list[Any] = [None] * RUNS
+
+        def run(index: int) -> None:
+            try:
+                values[index] = one()
+            except BaseException as exc:
+                values[index] = exc
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(RUNS)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for value in values:
+            if isinstance(value, BaseException):
+                raise value
+        return values
+
+    return {"sequential": sequential, "concurrent": concurrent}
+
+
+def check(name: str, values: Any) -> dict[str, Any]:
+    if len(values) != RUNS:
+        raise AssertionError(f"{name}: {values!r}")
+    return {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--name", default=NAME)
+    args = parser.parse_args(argv)
+    machine = common.machine_info()
+    log("starting a local[4] SparkSession")
+    session = common.start_spark("local[4]")
+    series = common.alternate(
+        build_variants(session, args.steps), args.repeats, check=check, settle_s=1.0
+    )
+    variants = {name: s.summary() for name, s in series.items()}
+    together = ratio(variants["concurrent"]["median_s"], variants["sequential"]["median_s"])
+    print_table(
+        f"{RUNS} one-rank barrier runs of {args.steps} steps on local[4]",
+        ["variant", "median s", "min s", "max s", "runs"],
+        [[n, v["median_s"], v["min_s"], v["max_s"], v["runs"]] for n, v in variants.items()],
+    )
+    print(f"concurrent / sequential: {common.fmt(together)}")
+    common.write_results(
+        args.name,
+        {
+            "repeats": args.repeats,
+            "steps": args.steps,
+            "runs": RUNS,
+            "master": "local[4]",
+            "variants": variants,
+            "concurrent_over_sequential": together,
+        },
+        machine,
+    )
+    session.stop()
+    return 0 if all(v["runs"] for v in variants.values()) else 1
+
+
+# -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
+TITLE = "Several runs at once"
+
+
+def render(doc: dict[str, Any]) -> str:
+    """This benchmark's section of benchmarks/README.md, from its JSON."""
+    variants = doc["variants"]
+    rows = [
+        [
+            name,
+            pages.num(s.get("median_s")),
+            pages.spread(s),
+            str(s.get("runs", "-")),
+        ]
+        for name, s in variants.items()
+    ]
+    return (
+        f"{doc.get('runs')} one-rank barrier runs ({doc.get('steps')} SGD steps of a small MLP "
+        f"each) on one `{doc.get('master')}` session: one after another from one thread, and "
+        f"started together from {doc.get('runs')} threads. Wall time of all of them, median of "
+        f"{doc.get('repeats')} alternating rounds.\n\n"
+        + pages.table(["variant", "median s", "min-max s", "runs"], rows)
+        + f"\n\nconcurrent / sequential: {pages.num(doc.get('concurrent_over_sequential'), suffix='x')}"
+        + "".join(pages.errors(s) for s in variants.values())
+    )
+
+
+def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """README's headline row: three runs at once over the same one after another."""
+    return [
+        [
+            f"{doc.get('runs')} barrier runs at once from threads (`{doc.get('master')}`)",
+            "wall time at once / one after another",
+            pages.num(doc.get("concurrent_over_sequential"), suffix="x"),
+            "-",
+        ]
+    ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
