@@ -328,3 +328,23 @@ def test_a_connect_server_that_dies_mid_run_fails_it(doomed_connect_server: Conn
     assert "signal SIGTERM" in message or "lost the Spark Connect server" in message
     session.client.close()  # else its exit handler calls the dead server for minutes
     assert wait_until_gone(ids[0], 60) == []
+
+
+def test_two_runs_at_once_over_one_connect_session(connect: Any, tmp_path: Path) -> None:
+    """Two 1-rank barrier runs from two threads share the Connect session (tags per thread):
+    both train at once, each logger sees its own rank's lines only."""
+    from tests.support.concurrent import Runs, meet, rank_lines
+    from tests.support.records import collecting_logger
+
+    runs, collects = Runs(), {}
+    for name in ("a", "b"):
+        logger, collects[name] = collecting_logger(f"tests.connect.at_once.{name}")
+        distributor = TorchDistributor(
+            num_processes=1, local_mode=False, use_gpu=False, spark=connect, logger=logger
+        )
+        runs.start(name, lambda d=distributor, n=name: d.launch(meet, str(tmp_path), n, 2, 5))
+    outcomes = runs.join()
+    for name in ("a", "b"):
+        assert not isinstance(outcomes[name], BaseException), repr(outcomes[name])
+        assert outcomes[name].value["name"] == name
+        assert rank_lines(collects[name]) == [f"{name} line {i}" for i in range(5)]
