@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO
 
 import psutil
@@ -145,17 +145,32 @@ def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
-def pump_lines(stream: IO[bytes], emit: Callable[[list[str]], None]) -> None:
-    """Read ``stream`` until EOF, handing each batch of complete lines to ``emit``."""
-    splitter = LineSplitter()
+def read_until_eof(stream: IO[bytes]) -> Iterator[bytes]:
+    """The bytes of ``stream`` as they arrive, to its end (or a read error)."""
     fd = stream.fileno()
     while True:
         try:
             data = os.read(fd, 1 << 16)
         except OSError:
-            break
+            return
         if not data:
-            break
+            return
+        yield data
+
+
+def pump_lines(
+    stream: IO[bytes], emit: Callable[[list[str]], None], chunks: Iterable[bytes] | None = None
+) -> None:
+    """Hand each batch of complete lines of ``stream`` to ``emit``, then its unfinished tail.
+
+    Args:
+        stream: what to read.
+        emit: called with the lines of each chunk read (none for a chunk without a newline).
+        chunks: the bytes to split, when the caller reads ``stream`` itself (default:
+            :func:`read_until_eof`).
+    """
+    splitter = LineSplitter()
+    for data in read_until_eof(stream) if chunks is None else chunks:
         lines = splitter.feed(data)
         if lines:
             emit(lines)

@@ -19,12 +19,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import IO, Any
 
 from sparktorch_ops.node.process import (
     ForkedChild,
-    LineSplitter,
     die_with_parent,
+    pump_lines,
     set_parent_death_signal,
     set_process_name,
     start_parent_watchdog,
@@ -135,32 +136,8 @@ class Supervisor:
         starting with ``OUTPUT_CUT_NOTE`` says so. So is one that such a process keeps filling.
         """
         emit = self._forward(kind)
-        splitter = LineSplitter()
-        fd = stream.fileno()
-        cut = False
-        late_bytes = 0
-        while not cut:
-            deadline = self._eof_deadline
-            late = deadline is not None and time.monotonic() > deadline
-            try:
-                ready, _, _ = select.select([fd], [], [], 0 if late else _PUMP_WAKE_S)
-                if not ready:
-                    cut = late
-                    continue
-                data = os.read(fd, 1 << 16)
-            except OSError:
-                break
-            if not data:
-                break
-            if late:
-                late_bytes += len(data)
-                cut = late_bytes > _LATE_BYTES
-            lines = splitter.feed(data)
-            if lines:
-                emit(lines)
-        tail = splitter.finish()
-        if tail:
-            emit(tail)
+        cut: list[bool] = []
+        pump_lines(stream, emit, self._chunks(stream, cut))
         if cut:
             name = "stdout" if kind == STDOUT else "stderr"
             emit(
@@ -169,6 +146,33 @@ class Supervisor:
                     f"its {name} open {_PIPE_EOF_GRACE_S:g} s later; the rest is not forwarded]"
                 ]
             )
+
+    def _chunks(self, stream: IO[bytes], cut: list[bool]) -> Iterator[bytes]:
+        """The bytes of the rank's ``stream`` to its end, or until it is given up on (then
+        ``cut`` holds True): empty and open, or still filling, past the grace after the exit."""
+        fd = stream.fileno()
+        late_bytes = 0
+        while True:
+            deadline = self._eof_deadline
+            late = deadline is not None and time.monotonic() > deadline
+            try:
+                ready, _, _ = select.select([fd], [], [], 0 if late else _PUMP_WAKE_S)
+                if not ready:
+                    if late:
+                        cut.append(True)
+                        return
+                    continue
+                data = os.read(fd, 1 << 16)
+            except OSError:
+                return
+            if not data:
+                return
+            if late:
+                late_bytes += len(data)
+            yield data
+            if late and late_bytes > _LATE_BYTES:
+                cut.append(True)
+                return
 
     def run(self) -> int:
         """Supervise until the rank process exits; return its exit status for torchrun."""
