@@ -22,6 +22,14 @@ from tests.support.concurrent import WAIT_S, Runs, hold, meet, rank_lines, wait_
 from tests.support.records import collecting_logger
 
 
+def holds_every_slot(spark: Any) -> None:
+    """Wait until Spark's status store, which lags its scheduler (by seconds on a loaded
+    machine), counts the running run's tasks: the next run then sees the slots busy."""
+    from sparktorch_ops.spark.preflight import busy_slots
+
+    wait_for(lambda: busy_slots(spark.sparkContext) == 2, "Spark to count the busy slots")
+
+
 @pytest.mark.parametrize("local_mode", [True, False], ids=["local", "barrier"])
 def test_runs_from_threads_at_once_each_see_only_their_own_lines(
     spark: Any, tmp_path: Path, local_mode: bool
@@ -54,6 +62,7 @@ def test_a_barrier_run_waits_for_slots_another_run_holds_then_starts(
     first = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark)
     runs.start("first", lambda: first.launch(hold, str(tmp_path), "first"))
     wait_for(lambda: len(list(tmp_path.glob("first.started.*"))) == 2, "the first run's ranks")
+    holds_every_slot(spark)
     logger, collect = collecting_logger("tests.concurrency.second")
     second = TorchDistributor(
         num_processes=2, local_mode=False, use_gpu=False, spark=spark, logger=logger
@@ -85,6 +94,7 @@ def test_a_queued_barrier_run_stops_at_once_and_leaves_the_other_running(
     holder = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark)
     runs.start("holder", lambda: holder.launch(hold, str(tmp_path), "holder"))
     wait_for(lambda: len(list(tmp_path.glob("holder.started.*"))) == 2, "the holder's ranks")
+    holds_every_slot(spark)
     logger, collect = collecting_logger("tests.concurrency.queued")
     queued = TorchDistributor(
         num_processes=2,
