@@ -44,7 +44,9 @@ SCRIPT = textwrap.dedent(
                 pass
             tracker = sc.statusTracker()
             stages = sorted(s for j in tracker.getJobIdsForGroup(name) for s in tracker.getJobInfo(j).stageIds)
-            print(f"stages|{name}|{','.join(map(str, stages))}", flush=True)
+            # Through logging: one write per line (a print's newline is a write of its own,
+            # and the other thread's records land between).
+            logging.getLogger("stages").info("%s %s", name, ",".join(map(str, stages)))
 
     threads = [threading.Thread(target=run, args=(name,)) for name in ("run-a", "run-b")]
     for thread in threads:
@@ -79,7 +81,11 @@ def test_jvm_output_goes_to_the_logger_of_the_run_whose_job_it_is() -> None:
     assert ("ERROR", "spark probe: an error line") in default
     assert ("WARNING", "spark probe: a warning line") in default
     assert ("INFO", "spark jvm: a python worker line") in default
-    stages = {name: message.split(",") for level, name, message in records if level == "stages"}
+    stages = {
+        message.split()[0]: message.split()[1].split(",")
+        for _, name, message in records
+        if name == "stages"
+    }
     assert set(stages) == {"run-a", "run-b"} and all(stages.values()), stages
     for run, other in (("run-a", "run-b"), ("run-b", "run-a")):
         lines = [message for level, name, message in records if name == run]
