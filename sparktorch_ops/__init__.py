@@ -18,6 +18,7 @@ from sparktorch_ops.errors import (
     StartTimeoutError,
     TrainingCancelledError,
     TrainingFailedError,
+    TrainingStalledError,
     TrainingTimeoutError,
 )
 from sparktorch_ops.lightning import lightning_trainer_kwargs
@@ -45,6 +46,7 @@ __all__ = [
     "TorchDistributor",
     "TrainingCancelledError",
     "TrainingFailedError",
+    "TrainingStalledError",
     "TrainingTimeoutError",
     "lightning_trainer_kwargs",
     "report",

@@ -15,6 +15,7 @@ from sparktorch_ops.driver.facts import gather_facts
 from sparktorch_ops.driver.packing import describe
 from sparktorch_ops.driver.planning import plan_run
 from sparktorch_ops.driver.run import Run, new_run_id
+from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.job import CancelToken, TrainingJob
 from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
 from sparktorch_ops.results import MetricRecord, RunResult
@@ -53,6 +54,7 @@ class TorchDistributor:
         on_event: Callable[[events.PhaseEvent], None] | None = None,
         start_timeout: float | datetime.timedelta | None = None,
         timeout: float | datetime.timedelta | None = None,
+        stall_timeout: float | datetime.timedelta | None = None,
         log_ranks: Iterable[int] | None = None,
         allow_unencrypted_channel: bool = False,
         max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
@@ -186,6 +188,36 @@ class TorchDistributor:
             ConfigError: what ``run`` would reject before launching.
         """
         return plan_job(self.job(train_object, *args, **kwargs))
+
+    def stacks(self, run_id: str | None = None) -> dict[int, str]:
+        """Where every rank of a run in progress is, by rank: the first line says where its
+        training thread is (``in fn (train.py:40) <- time.sleep(60)``), then every thread's
+        stack follows. Takes up to about 2 s; safe from any thread. Empty when no run of this
+        distributor has ranks running.
+
+        Args:
+            run_id: which run (its id is in its log lines and events); needed only when several
+                runs are in progress.
+
+        Raises:
+            ConfigError: several runs are in progress and ``run_id`` does not pick one.
+        """
+        running = {token.run_id: token for token in list(self._tokens) if token.run_id}
+        if run_id is None and len(running) > 1:
+            raise ConfigError(
+                "run_id",
+                f"{len(running)} runs are in progress ({', '.join(sorted(running))}): "
+                "pass run_id= to say which one's stacks to take",
+            )
+        if run_id is not None and run_id not in running:
+            raise ConfigError(
+                "run_id",
+                f"no run {run_id!r} of this distributor is in progress"
+                + (f" (running: {', '.join(sorted(running))})" if running else ""),
+            )
+        token = running.get(run_id) if run_id is not None else next(iter(running.values()), None)
+        stacks = token.stacks() if token is not None else None
+        return stacks or {}
 
     def cancel(self) -> None:
         """Cancel every run of this distributor in progress; do nothing when none is.

@@ -7,7 +7,7 @@ pickling (they cross Spark task and process boundaries), which is why each class
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -16,6 +16,19 @@ if TYPE_CHECKING:
 
 class SparkTorchError(Exception):
     """Base class of every error sparktorch_ops raises."""
+
+
+def where_ranks_were(stacks: Mapping[int, str]) -> str:
+    """One line per rank: where its training thread was (the first line of its stacks)."""
+    return "\n".join(
+        f"  rank {rank} {text.split(chr(10), 1)[0]}" for rank, text in sorted(stacks.items())
+    )
+
+
+def _with_where(text: str, stacks: Mapping[int, str]) -> str:
+    if not stacks:
+        return text
+    return f"{text}\nwhere the ranks were when it was stopped:\n{where_ranks_were(stacks)}"
 
 
 class ConfigError(SparkTorchError, ValueError):
@@ -116,21 +129,79 @@ class TrainingFailedError(SparkTorchError):
         return (type(self), (self.failures, self.note))
 
 
+class TrainingStalledError(TrainingFailedError):
+    """No rank showed progress (a ``report()`` or a line of output) for ``stall_timeout``
+    seconds: the run was torn down after every rank's Python stacks were taken.
+
+    Attributes:
+        stall_timeout: the limit in force.
+        silent_for: how long each connected rank had been silent, by rank.
+        stacks: every rank's stacks, by rank: where its training thread was on the first line,
+            then every thread's stack (or one line: why the rank gave none).
+        failures: the silent ranks, the one silent longest first.
+    """
+
+    def __init__(
+        self,
+        failures: Sequence[RankFailure],
+        stall_timeout: float,
+        silent_for: Mapping[int, float],
+        stacks: Mapping[int, str],
+    ) -> None:
+        self.stall_timeout = stall_timeout
+        self.silent_for = dict(silent_for)
+        self.stacks = dict(stacks)
+        super().__init__(failures)
+
+    _STACK_LINES = 40  # per rank in the message; ``stacks`` has them all
+
+    def _describe(self) -> str:
+        quiet = min(self.silent_for.values(), default=self.stall_timeout)
+        lines = [
+            f"training stalled: no rank showed progress (a report() or a line of output) for "
+            f"{quiet:.1f} s (stall_timeout={self.stall_timeout:g}); where each rank was:"
+        ]
+        lines.extend(f"  {failure.who} {failure.reason}" for failure in self.failures)
+        for rank, text in sorted(self.stacks.items()):
+            stack = text.split("\n", 1)[1] if "\n" in text else ""
+            if stack.strip():
+                lines.append(f"--- stacks of rank {rank} ---")
+                lines.extend(stack.rstrip("\n").splitlines()[-self._STACK_LINES :])
+        lines.append(
+            "Raise stall_timeout if a step may legitimately run that long without a report()."
+        )
+        return "\n".join(lines)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.failures, self.stall_timeout, self.silent_for, self.stacks))
+
+
 class _TimeoutBase(SparkTorchError, TimeoutError):
-    def __init__(self, setting: str, seconds: float, detail: str = "") -> None:
+    def __init__(
+        self,
+        setting: str,
+        seconds: float,
+        detail: str = "",
+        stacks: Mapping[int, str] | None = None,
+    ) -> None:
         self.setting = setting
         self.seconds = seconds
         self.detail = detail
+        self.stacks = dict(stacks or {})
         text = f"{self._what} after {seconds:g} s ({setting}={seconds:g})"
         if detail:
             text += f": {detail}"
         text += f"; raise {setting} if the run needs longer"
-        super().__init__(text)
+        super().__init__(_with_where(text, self.stacks))
 
     _what = "timed out"
 
+    def with_stacks(self, stacks: Mapping[int, str]) -> _TimeoutBase:
+        """The same error, saying where each rank was (``stacks`` by rank)."""
+        return type(self)(self.setting, self.seconds, self.detail, stacks)
+
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.setting, self.seconds, self.detail))
+        return (type(self), (self.setting, self.seconds, self.detail, self.stacks))
 
 
 class StartTimeoutError(_TimeoutBase):
@@ -146,14 +217,25 @@ class TrainingTimeoutError(_TimeoutBase):
 
 
 class TrainingCancelledError(SparkTorchError):
-    """The run was cancelled (``cancel()``, a signal, or the orchestrator) and torn down."""
+    """The run was cancelled (``cancel()``, a signal, or the orchestrator) and torn down.
 
-    def __init__(self, reason: str = "cancelled") -> None:
-        super().__init__(f"training cancelled: {reason}")
+    Attributes:
+        reason: who or what cancelled it.
+        stacks: where each rank was when it was stopped, by rank (see
+            :class:`TrainingStalledError`); empty when no rank was running.
+    """
+
+    def __init__(self, reason: str = "cancelled", stacks: Mapping[int, str] | None = None) -> None:
         self.reason = reason
+        self.stacks = dict(stacks or {})
+        super().__init__(_with_where(f"training cancelled: {reason}", self.stacks))
+
+    def with_stacks(self, stacks: Mapping[int, str]) -> TrainingCancelledError:
+        """The same error, saying where each rank was (``stacks`` by rank)."""
+        return type(self)(self.reason, stacks)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.reason,))
+        return (type(self), (self.reason, self.stacks))
 
 
 class SparkJobKilledError(TrainingCancelledError):

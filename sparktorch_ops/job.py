@@ -25,7 +25,8 @@ from sparktorch_ops.wire.payload import Payload
 
 
 class CancelToken:
-    """A request to stop one job, made before, during or after its launch.
+    """A request to stop one job, made before, during or after its launch; while the job's
+    ranks run, also the way to ask where they are (:meth:`stacks`).
 
     A wrapper creates it first and passes it into the job, so a cancel that arrives while the
     wrapper is still templating or starting Spark is not lost; the run checks it throughout.
@@ -34,6 +35,21 @@ class CancelToken:
 
     def __init__(self) -> None:
         self._reason: str | None = None
+        self.run_id: str | None = None  # while the ranks run
+        self._stacks: Callable[[], dict[int, str]] | None = None
+
+    def attach(self, run_id: str, stacks: Callable[[], dict[int, str]]) -> None:
+        """The run's ranks are up: :meth:`stacks` asks them through ``stacks``."""
+        self.run_id, self._stacks = run_id, stacks
+
+    def detach(self) -> None:
+        """The run's ranks are gone."""
+        self.run_id, self._stacks = None, None
+
+    def stacks(self) -> dict[int, str] | None:
+        """Every rank's stacks now, by rank; None when the ranks are not running."""
+        stacks = self._stacks
+        return stacks() if stacks is not None else None
 
     def cancel(self, reason: str = "cancel() was called") -> None:
         """Ask the job to stop (the first reason is kept)."""

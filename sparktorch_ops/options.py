@@ -137,6 +137,14 @@ OPTIONS: tuple[Option, ...] = (
         flag=Flag("--timeout", {"type": float}),
     ),
     Option(
+        "stall_timeout",
+        "seconds (or a timedelta) with no sign of progress from any rank (a ``report()``, "
+        "one with no values is a heartbeat, or a line of output) after which the run fails "
+        "with ``TrainingStalledError``, showing every rank's Python stacks (default: off).",
+        None,
+        flag=Flag("--stall-timeout", {"type": float}),
+    ),
+    Option(
         "log_ranks",
         "ranks whose output is forwarded to the log (default: all).",
         None,

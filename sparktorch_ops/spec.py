@@ -305,6 +305,7 @@ class LaunchSpec:
     torchrun_args: tuple[str, ...] = ()
     start_timeout: float | None = None
     timeout: float | None = None
+    stall_timeout: float | None = None
     log_ranks: frozenset[int] | None = None
     logger: Any = None
     on_metrics: Callable[[Any], None] | None = None
@@ -335,6 +336,7 @@ class LaunchSpec:
         object.__setattr__(self, "torchrun_args", _check_torchrun_args(self.torchrun_args))
         object.__setattr__(self, "start_timeout", to_seconds("start_timeout", self.start_timeout))
         object.__setattr__(self, "timeout", to_seconds("timeout", self.timeout))
+        object.__setattr__(self, "stall_timeout", to_seconds("stall_timeout", self.stall_timeout))
         object.__setattr__(self, "log_ranks", _check_log_ranks(self.log_ranks))
         object.__setattr__(
             self, "checkpoint_dir", check_location("checkpoint_dir", self.checkpoint_dir)

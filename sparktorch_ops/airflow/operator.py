@@ -142,6 +142,7 @@ class TorchDistributorOperator(BaseOperator):
         max_restarts: int = 0,
         timeout: float | datetime.timedelta | None = None,
         start_timeout: float | datetime.timedelta | None = None,
+        stall_timeout: float | datetime.timedelta | None = None,
         torchrun_args: Sequence[str] | None = None,
         log_ranks: Sequence[int] | None = None,
         max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,

@@ -41,12 +41,14 @@ from sparktorch_ops.wire.messages import (
     RESULT_CHUNK,
     RESULT_END,
     SHARDS,
+    STACKS,
     STDERR,
     STDOUT,
     ExitReport,
     FailureReport,
     Hello,
     MetricReport,
+    RankStacks,
     RendezvousPort,
     ResultEnd,
     ShardSizes,
@@ -157,6 +159,9 @@ class _RankState:
     reason: str = ""
     failed_at: float | None = None
     lost: bool = False
+    # time.monotonic() of the rank's last sign of progress in this attempt (None: not
+    # connected in it yet): its supervisor's hello, an output line, a report().
+    heard_at: float | None = None
 
 
 class RunCollector(channel.ChannelHandler):
@@ -217,6 +222,9 @@ class RunCollector(channel.ChannelHandler):
         self.coordinator = Coordinator(lambda reason: self._fail(AGENT, reason), self._on_phase)
         self._retried = False
         self.lost_nodes: dict[int, str] = {}
+        self._supervisors: dict[int, int] = {}  # rank -> its supervisor's connection
+        self._stack_requests: dict[int, tuple[bool, dict[int, RankStacks]]] = {}
+        self._next_stack_request = 0
 
     # -- channel callbacks -------------------------------------------------------------------
     def on_hello(self, peer: channel.Peer) -> None:
@@ -235,6 +243,8 @@ class RunCollector(channel.ChannelHandler):
                 state = self.ranks.setdefault(hello.rank, _RankState())
                 state.host = hello.host or peer.address.rsplit(":", 1)[0]
                 state.attempt = hello.attempt
+                state.heard_at = time.monotonic()
+                self._supervisors[hello.rank] = peer.conn_id
         if hello.role == "node":
             self.coordinator.node_connected(peer)
         phase = {
@@ -271,7 +281,9 @@ class RunCollector(channel.ChannelHandler):
             return
         rank = hello.rank
         assert rank is not None
-        if kind == METRIC:
+        if kind == STACKS and hello.role == "supervisor":
+            self._stacks_answered(rank, RankStacks.decode(payload))
+        elif kind == METRIC:
             self._metric(rank, MetricReport.decode(payload))
         elif kind == RESULT_CHUNK and rank == 0:
             self._result_chunk(payload)
@@ -296,6 +308,8 @@ class RunCollector(channel.ChannelHandler):
         hello = peer.hello
         with self._lock:
             self.open_peers.pop(peer.conn_id, None)
+            if hello.rank is not None and self._supervisors.get(hello.rank) == peer.conn_id:
+                del self._supervisors[hello.rank]
         self.coordinator.node_closed(peer)
         if hello.attempt < self.attempt:
             return
@@ -323,7 +337,7 @@ class RunCollector(channel.ChannelHandler):
         self.failure_order = []
         for state in self.ranks.values():
             state.exited, state.exit_code, state.signal = False, None, None
-            state.reason, state.failed_at = "", None
+            state.reason, state.failed_at, state.heard_at = "", None, None
         self._result, self._result_size = [], 0
         self.result = None
         self.result_refused = None
@@ -343,6 +357,7 @@ class RunCollector(channel.ChannelHandler):
 
     def _rank_lines(self, rank: int, kind: int, lines: list[str]) -> None:
         state = self.ranks.setdefault(rank, _RankState())
+        state.heard_at = time.monotonic()
         state.tail.extend(lines)
         if rank == 0 and kind == STDOUT and self._keep_stdout:
             self._keep_rank0_stdout(lines)
@@ -415,6 +430,9 @@ class RunCollector(channel.ChannelHandler):
         return text
 
     def _metric(self, rank: int, report: MetricReport) -> None:
+        state = self.ranks.get(rank)
+        if state is not None and state.heard_at is not None:
+            state.heard_at = time.monotonic()  # a report() is progress, values or not
         metric = MetricRecord(
             rank=rank,
             step=report.step,
@@ -461,6 +479,57 @@ class RunCollector(channel.ChannelHandler):
                     self.fatal = True
         if first_time:
             self._on_phase(events.RANK_FAILED, rank=None if rank == AGENT else rank)
+
+    # -- progress and stacks -----------------------------------------------------------------
+    def silences(self) -> dict[int, float]:
+        """Seconds since each rank of the current attempt that is connected and has not exited
+        last showed progress (its connection, an output line, a ``report()``)."""
+        now = time.monotonic()
+        return {
+            rank: now - state.heard_at
+            for rank, state in list(self.ranks.items())
+            if rank >= 0 and state.heard_at is not None and not state.exited
+        }
+
+    def open_stack_request(self, log: bool) -> tuple[int, dict[int, int]]:
+        """A new stack request: its id and the supervisors to ask (rank -> connection). With
+        ``log``, each answer is logged as it arrives."""
+        with self._lock:
+            self._next_stack_request += 1
+            request = self._next_stack_request
+            self._stack_requests[request] = (log, {})
+            return request, dict(self._supervisors)
+
+    def stack_answers(self, request: int) -> dict[int, RankStacks]:
+        """The answers to ``request`` so far, by rank."""
+        with self._lock:
+            return dict(self._stack_requests[request][1])
+
+    def close_stack_request(self, request: int) -> None:
+        """Forget ``request``; a late answer to it is dropped."""
+        with self._lock:
+            self._stack_requests.pop(request, None)
+
+    def _stacks_answered(self, rank: int, stacks: RankStacks) -> None:
+        with self._lock:
+            pending = self._stack_requests.get(stacks.request)
+            if pending is None:
+                return
+            log, answers = pending
+            answers[rank] = stacks
+        if not log:
+            return
+        if stacks.source == "none":
+            self._log.log(logging.WARNING, "sparktorch_ops: rank %d %s", rank, stacks.where)
+            return
+        self._log.log(
+            logging.WARNING,
+            "sparktorch_ops: rank %d is %s (stacks taken by %s):\n%s",
+            rank,
+            stacks.where,
+            "its helper thread" if stacks.source == "threads" else stacks.source,
+            stacks.text.rstrip("\n"),
+        )
 
     # -- summaries ---------------------------------------------------------------------------
     def exit_codes(self) -> dict[int, int]:

@@ -80,8 +80,8 @@ def _say_unreachable(
         log.warning(
             "sparktorch_ops: %s: barrier task(s) %s could not reach this client's channel "
             "at %s (%s), so their ranks' output, metrics and result arrived with the "
-            "stage's result, not live. For live logs, pass channel_host= an address of "
-            "this machine that the executors can reach",
+            "stage's result, not live (and stall_timeout could not be watched). For live "
+            "logs, pass channel_host= an address of this machine that the executors can reach",
             run_id,
             tasks,
             address,

@@ -156,7 +156,11 @@ class Run:
                 supervisor = Supervisor(
                     spec, self.run_id, launched, started, self.check_cancelled, log
                 )
-                code, note = supervisor.watch()
+                self.job.cancel_token.attach(self.run_id, supervisor.stacks)
+                try:
+                    code, note = supervisor.watch()
+                finally:
+                    self.job.cancel_token.detach()
                 machine.to(RunState.FINISHING)
                 collector = launched.collector
                 if code == 0 and not collector.failed:

@@ -1,8 +1,10 @@
 """The third part of a run: watch the launched ranks until the run ends one way or another.
 
 :class:`Supervisor` polls the launcher (behind its protocol: it never asks which kind it holds)
-and the collector for the run's limits (``timeout``, ``start_timeout``), a refused result, a
-fatal rank failure (with Spark's own error for a lost barrier task) and the ranks' exit.
+and the collector for the run's limits (``timeout``, ``start_timeout``, ``stall_timeout``), a
+refused result, a fatal rank failure (with Spark's own error for a lost barrier task) and the
+ranks' exit. A stop that is not the ranks' own end (a stall, a limit, a cancel) takes every
+rank's stacks first, so the error says where training was.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Callable
 
 from sparktorch_ops import errors
 from sparktorch_ops.driver.launch import Launched
+from sparktorch_ops.driver.stacks import capture_stacks
+from sparktorch_ops.results import RankFailure
 from sparktorch_ops.spec import LaunchSpec
 
 POLL_S = 0.05
@@ -49,15 +53,44 @@ class Supervisor:
         self._check_cancelled = check_cancelled
         self._log = log
 
+    def stacks(self, log: bool = False) -> dict[int, str]:
+        """Every rank's stacks now, by rank (see :func:`capture_stacks`); safe from any thread."""
+        launched = self._launched
+        return capture_stacks(
+            launched.server, launched.collector, self._spec.num_processes, log=log
+        )
+
     def watch(self) -> tuple[int, str]:
         """Wait for the run's end: the exit code (0: every rank succeeded) and a note.
 
         Raises:
+            TrainingStalledError: no rank showed progress for ``stall_timeout``.
             TrainingTimeoutError, StartTimeoutError: a limit ran out.
             TrainingCancelledError: the run was cancelled.
             ResultTooLargeError: rank 0's result is over ``max_result_bytes``.
             SparkJobKilledError: the job was killed from Spark's UI.
+
+        Each but the last two says where the ranks were (``stacks``), also logged.
         """
+        try:
+            return self._watch()
+        except errors.SparkJobKilledError:
+            raise  # the ranks are gone with the job: nobody left to ask
+        except (
+            errors.TrainingCancelledError,
+            errors.TrainingTimeoutError,
+            errors.StartTimeoutError,
+        ) as stop:
+            stacks = self.stacks(log=True)
+            if not stacks:
+                self._log.info(
+                    "sparktorch_ops: %s: no rank is connected to this driver's channel (none "
+                    "started yet, or the tasks relay their frames): where they were is unknown",
+                    self._run_id,
+                )
+            raise stop.with_stacks(stacks) if stacks else stop from None
+
+    def _watch(self) -> tuple[int, str]:
         spec = self._spec
         launcher, collector = self._launched.launcher, self._launched.collector
         released = False
@@ -82,6 +115,8 @@ class Supervisor:
                     f"only {connected} of {spec.num_processes} ranks started"
                     + launcher.start_timeout_hint,
                 )
+            if spec.stall_timeout is not None:
+                self._check_stall(spec.stall_timeout)
             if collector.result_refused is not None:
                 raise collector.result_refused  # stop rank 0 sending the rest
             if collector.fatal:
@@ -109,6 +144,43 @@ class Supervisor:
                     return self._spark_cause()
                 return status
             time.sleep(POLL_S)
+
+    def _check_stall(self, limit: float) -> None:
+        """Raise TrainingStalledError once every running rank has been silent for ``limit``."""
+        silent = self._launched.collector.silences()
+        if not silent or min(silent.values()) < limit:
+            return
+        self._log.warning(
+            "sparktorch_ops: %s: no rank showed progress for %.1f s (stall_timeout=%g): "
+            "taking every rank's stacks, then stopping the run",
+            self._run_id,
+            min(silent.values()),
+            limit,
+        )
+        stacks = self.stacks(log=True)
+        collector = self._launched.collector
+        failures = []
+        for rank in sorted(silent, key=lambda rank: -silent[rank]):
+            where = stacks.get(rank, "").split("\n", 1)[0]
+            state = collector.ranks[rank]
+            failures.append(
+                RankFailure(
+                    rank=rank,
+                    host=state.host,
+                    exit_code=None,
+                    signal=None,
+                    reason=f"silent for {silent[rank]:.1f} s, {where}",
+                    output_tail="\n".join(list(state.tail)[-20:]),
+                    timestamp=time.time() - silent[rank],
+                )
+            )
+        for rank in range(self._spec.num_processes):
+            known = collector.ranks.get(rank)
+            if rank not in silent and (known is None or not known.exited):
+                failures.append(
+                    RankFailure(rank, "", None, None, "never connected", "", time.time())
+                )
+        raise errors.TrainingStalledError(failures, limit, silent, stacks)
 
     def drain(self) -> None:
         """Read what the ranks still send until every rank has hung up; when that does not

@@ -63,6 +63,7 @@ def run_torch_distributor(
     torchrun_args: Sequence[str] | None = None,
     timeout: float | datetime.timedelta | None = None,
     start_timeout: float | datetime.timedelta | None = None,
+    stall_timeout: float | datetime.timedelta | None = None,
     log_ranks: Sequence[int] | None = None,
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
     max_local_processes: int | None = None,
@@ -127,7 +128,8 @@ def run_torch_distributor(
 
     Raises:
         ConfigError: bad arguments, before anything starts (not retried).
-        TrainingFailedError: a rank failed; the message names it, with its traceback tail.
+        TrainingFailedError: a rank failed; the message names it, with its traceback tail
+            (TrainingStalledError: no rank showed progress for ``stall_timeout``).
         StartTimeoutError, TrainingTimeoutError: ``start_timeout`` or ``timeout`` ran out.
     """
     logger = get_run_logger()

@@ -31,6 +31,7 @@ from sparktorch_ops.node.process import (
     start_parent_watchdog,
 )
 from sparktorch_ops.rank import worker
+from sparktorch_ops.rank.stacks import StackLine
 from sparktorch_ops.results import OUTPUT_CUT_NOTE, signal_name
 from sparktorch_ops.wire import channel
 from sparktorch_ops.wire.env import (
@@ -39,8 +40,17 @@ from sparktorch_ops.wire.env import (
     FINGERPRINT_ENV,
     NODE_HOST_ENV,
     SECRET_FILE_ENV,
+    STACK_FDS_ENV,
 )
-from sparktorch_ops.wire.messages import STDERR, STDOUT, ExitReport, Hello
+from sparktorch_ops.wire.messages import (
+    STACK_REQUEST,
+    STDERR,
+    STDOUT,
+    ExitReport,
+    Hello,
+    RankStacks,
+    StackRequest,
+)
 
 _TERMINATE_GRACE_S = 5.0
 # After the rank exits, how long its output pipes may stay open (held by a process it started)
@@ -74,25 +84,33 @@ class Supervisor:
         self.child: ForkedChild | subprocess.Popen[bytes] | None = None
         self.finishing = False
         self._eof_deadline: float | None = None
+        self._stack_line = StackLine(entry=worker.run_payload.__code__)
 
     def start(self) -> None:
         """Fork the rank process, or start it as a fresh interpreter where a fork could not use
         CUDA (before this process starts any thread of its own: the fork must not race)."""
 
+        line = self._stack_line
+
         def run_rank() -> int:
             self.client.release_in_child()
+            line.close_in_child()
+            os.environ[STACK_FDS_ENV] = line.child_fds
             return worker.run_forked(self._secret)
 
         if fork_keeps_cuda_usable():
             self.child = ForkedChild(run_rank)
-            return
-        self.child = subprocess.Popen(
-            [sys.executable, "-u", "-m", "sparktorch_ops.rank.worker"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL),
-        )
+        else:
+            self.child = subprocess.Popen(
+                [sys.executable, "-u", "-m", "sparktorch_ops.rank.worker"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env={**os.environ, STACK_FDS_ENV: line.child_fds},
+                pass_fds=line.pass_fds(),
+                preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL),
+            )
+        line.started()
 
     def stop_child(self, signum: int = signal.SIGTERM) -> None:
         """Signal the rank process; SIGKILL it if it is still there after the grace period."""
@@ -101,6 +119,7 @@ class Supervisor:
             return
         try:
             child.send_signal(signum)
+            child.send_signal(signal.SIGCONT)  # a stopped rank acts on the signal too
         except ProcessLookupError:
             return
 
@@ -122,10 +141,33 @@ class Supervisor:
 
         return emit
 
-    def _on_driver_gone(self) -> None:
-        self.client.wait_closed()
+    def _serve_driver(self) -> None:
+        """Answer the driver's stack requests until it closes the channel, which means "the
+        run is over": then stop the rank (unless it is already finishing)."""
+        while True:
+            try:
+                kind, payload = self.client.recv_frame()
+            except channel.ChannelError:
+                break
+            if kind == STACK_REQUEST:
+                request = StackRequest.decode(payload).request
+                threading.Thread(target=self._send_stacks, args=(request,), daemon=True).start()
+        self.client.closed = True
         if not self.finishing:
             self.stop_child(signal.SIGKILL)
+
+    def _send_stacks(self, request: int) -> None:
+        child = self.child
+        assert child is not None
+        stacks = self._stack_line.ask(child.send_signal)
+        try:
+            self.client.send_message(
+                RankStacks(
+                    request=request, text=stacks.text, where=stacks.where, source=stacks.source
+                )
+            )
+        except channel.ChannelError:
+            pass
 
     def _pump(self, stream: IO[bytes], kind: int) -> None:
         """Forward a stream of the rank line by line to its end (the pipe's EOF).
@@ -184,7 +226,7 @@ class Supervisor:
         ]
         for pump in pumps:
             pump.start()
-        threading.Thread(target=self._on_driver_gone, daemon=True).start()
+        threading.Thread(target=self._serve_driver, daemon=True).start()
         returncode = self.child.wait()
         # Everything the rank wrote is forwarded before its exit is reported; only a pipe that
         # a process it started holds open is given up on (see _pump).

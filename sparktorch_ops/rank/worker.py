@@ -23,7 +23,7 @@ import cloudpickle
 
 from sparktorch_ops.data import shards
 from sparktorch_ops.node.process import exit_status, finish_like_an_interpreter, set_process_name
-from sparktorch_ops.rank import reporting
+from sparktorch_ops.rank import reporting, stacks
 from sparktorch_ops.wire import channel
 from sparktorch_ops.wire.env import (
     CHANNEL_ENV,
@@ -33,6 +33,7 @@ from sparktorch_ops.wire.env import (
     NVML_CUDA_CHECK_ENV,
     PAYLOAD_ENV,
     SECRET_FILE_ENV,
+    STACK_FDS_ENV,
 )
 from sparktorch_ops.wire.messages import FailureReport, Hello
 from sparktorch_ops.wire.payload import read_rank_payload
@@ -86,6 +87,9 @@ def main(secret: str | None = None) -> int:
             the file the launcher wrote).
     """
     set_process_name(f"torch-rank-{os.environ['RANK']}")
+    stack_fds = os.environ.pop(STACK_FDS_ENV, None)
+    if stack_fds:  # where this rank's threads are, when the driver asks (stalls, stops)
+        stacks.serve(stack_fds, entry=run_payload.__code__)
     if os.environ.pop(NVML_CHECK_ADDED_ENV, None):
         os.environ.pop(NVML_CUDA_CHECK_ENV, None)  # the agent's setting, not the user's
     # The user's code must not find the way to the secret in its environment either.

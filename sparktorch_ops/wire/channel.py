@@ -14,10 +14,11 @@ A connection that does not complete this within :data:`HELLO_DEADLINE_S` is drop
 :data:`MAX_PENDING` connections may be unauthenticated at once (further ones are closed on
 accept; a real client retries with backoff). After the WELCOME the client sends framed messages:
 log lines, metrics, result bytes, exit and failure records. Besides the handshake the driver
-writes only the rendezvous port; it closes connections to tell clients that the run is over, and
-every client treats end-of-file as "the driver is gone: stop". TCP keepalive on both ends notices
-a vanished host within about a minute. When Spark's encryption is on, every connection is TLS
-with the run's pinned certificate (:mod:`sparktorch_ops.wire.tls`).
+writes only the rendezvous port, the data layout and stack requests; it closes connections to
+tell clients that the run is over, and every client treats end-of-file as "the driver is gone:
+stop". TCP keepalive on both ends notices a vanished host within about a minute. When Spark's
+encryption is on, every connection is TLS with the run's pinned certificate
+(:mod:`sparktorch_ops.wire.tls`).
 
 Frame: 1 byte kind, 4 bytes big-endian length, payload. Anything one connection sends that
 cannot be handled closes that connection only.
@@ -38,6 +39,7 @@ import ssl
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -219,6 +221,7 @@ class ChannelServer:
         self._wake_r.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._connections: dict[int, _Connection] = {}
+        self._outbox: deque[tuple[int, bytes]] = deque()
         self._next_id = 0
         self._stopping = False
         self.rejected = 0  # connections dropped before authenticating (for logs and tests)
@@ -240,6 +243,15 @@ class ChannelServer:
             pass
         self._thread.join(timeout)
 
+    def send(self, conn_id: int, message: Message) -> None:
+        """Send a small control message to one client, from any thread (the server's thread
+        writes it; a client that has gone by then is skipped)."""
+        self._outbox.append((conn_id, encode_frame(message.KIND, message.encode())))
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
     def drain(self, until: Callable[[], bool], timeout: float) -> bool:
         """Wait (polling) until ``until()`` holds or ``timeout`` passes; True if it held."""
         deadline = time.monotonic() + timeout
@@ -259,6 +271,7 @@ class ChannelServer:
                         self._wake_r.recv(64)
                     else:
                         self._read_guarded(key.data)
+                self._send_outbox()
                 self._drop_silent_clients()
         except Exception:  # a bug here must not hang the run: report and close everything
             self._log.exception("sparktorch_ops channel server failed")
@@ -453,15 +466,25 @@ class ChannelServer:
         return conn.peer is not None
 
     def _send_to(self, conn: _Connection, kind: int, payload: bytes) -> None:
+        self._send_frame(conn, encode_frame(kind, payload))
+
+    def _send_frame(self, conn: _Connection, frame: bytes) -> None:
         # Only small control frames go this way, from the server thread itself.
         try:
             conn.sock.setblocking(True)
             conn.sock.settimeout(5.0)
-            conn.sock.sendall(encode_frame(kind, payload))
+            conn.sock.sendall(frame)
         except OSError:
             self._close(conn)
             return
         conn.sock.setblocking(False)
+
+    def _send_outbox(self) -> None:
+        while self._outbox:
+            conn_id, frame = self._outbox.popleft()
+            conn = self._connections.get(conn_id)
+            if conn is not None and conn.peer is not None:
+                self._send_frame(conn, frame)
 
     def _count_reject(self, address: str, why: str) -> None:
         self.rejected += 1

@@ -37,6 +37,9 @@ NODE_HOST_ENV = _per_run("SPARKTORCH_OPS_HOST")
 LAUNCHER_PID_ENV = _per_run("SPARKTORCH_OPS_LAUNCHER_PID")
 #: The agent's pid, for the per-rank supervisor's parent watch.
 AGENT_PID_ENV = _per_run("SPARKTORCH_OPS_AGENT_PID")
+#: ``"REQUEST,DUMP"``: the rank's ends of its supervisor's stack line (a socket: a byte asks,
+#: the rank's helper thread answers) and of the pipe faulthandler dumps into on a signal.
+STACK_FDS_ENV = _per_run("SPARKTORCH_OPS_STACK_FDS")
 #: Marks the warm agent in the process table (value: a token of its launcher).
 WARM_PROCESS_ENV = "SPARKTORCH_OPS_WARM_PROCESS"
 #: ``0`` (or ``false``/``no``/``off``) in the launcher's environment: start every agent cold.

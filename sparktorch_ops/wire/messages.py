@@ -27,6 +27,8 @@ CHALLENGE = 10  # driver -> client, first: a nonce the HELLO must answer (see ch
 WELCOME = 11  # driver -> client: proof that the driver holds the run's secret
 SHARDS = 12  # barrier task -> driver: the sizes of the data shards it wrote for its ranks
 DATA = 13  # driver -> every task: rows per rank per epoch, once every task has its shards
+STACK_REQUEST = 14  # driver -> a rank's supervisor: where are the rank's threads now?
+STACKS = 15  # supervisor -> driver: the answer
 
 Role = Literal["node", "supervisor", "worker"]
 ROLES = ("node", "supervisor", "worker")
@@ -296,3 +298,43 @@ class DataLayout(Message):
                 "rows than ranks, or its partitions are too skewed to share out"
             )
         return cls(epoch_rows=max(max(rows) for rows in shards.values()))
+
+
+@dataclass(frozen=True)
+class StackRequest(Message):
+    """The driver asks a rank's supervisor for the rank's Python stacks (``request`` is echoed
+    in the answer, so answers to concurrent requests do not mix)."""
+
+    KIND: ClassVar[int] = STACK_REQUEST
+    request: int
+
+    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {"request": (int, False)}
+
+
+#: How a rank's stacks were taken: by its helper thread, by faulthandler on a signal (the
+#: helper could not run), or not at all (the rank did not answer).
+STACK_SOURCES = ("threads", "faulthandler", "none")
+
+
+@dataclass(frozen=True)
+class RankStacks(Message):
+    """Where a rank was: every thread's stack (``text``), the training thread's innermost frame
+    in one line (``where``), and how they were taken (one of :data:`STACK_SOURCES`)."""
+
+    KIND: ClassVar[int] = STACKS
+    request: int
+    text: str
+    where: str
+    source: str
+
+    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {
+        "request": (int, False),
+        "text": (str, False),
+        "where": (str, False),
+        "source": (str, False),
+    }
+
+    def validate(self) -> None:
+        """A known source."""
+        if self.source not in STACK_SOURCES:
+            raise MessageError(f"RankStacks.source must be one of {STACK_SOURCES}")

@@ -106,6 +106,10 @@ def test_execution_timeout_cancels_the_run(ops: Any) -> None:
     log = ops.task_log("times_out")
     assert "training started, sleeping" in log
     assert "AirflowTaskTimeout" in log
+    # Where the ranks were when the timeout stopped them, taken before the teardown.
+    for rank in (0, 1):
+        assert f"rank {rank} is in sleep_long (sto_ops.py:" in log, log
+    assert "time.sleep(300)" in log
     run_id = RUN_STARTED.search(log)
     assert run_id and wait_until_gone(run_id[1], timeout=30) == []
 

@@ -16,14 +16,21 @@ import pytest
 
 from harness.procs import wait_until_gone
 from sparktorch_ops import (
+    ConfigError,
     StartTimeoutError,
     TorchDistributor,
     TrainingCancelledError,
     TrainingFailedError,
+    TrainingStalledError,
     TrainingTimeoutError,
 )
 from sparktorch_ops.wire.env import RUN_ID_ENV
-from tests.faults.training import fail_after_ready, hang_in_collective, long_training
+from tests.faults.training import (
+    fail_after_ready,
+    hang_in_collective,
+    heartbeat_only,
+    long_training,
+)
 
 MODES = ["local", "barrier"]
 
@@ -131,15 +138,25 @@ def test_torchrun_agent_sigkilled(mode: str, spark: Any, tmp_path: Path) -> None
     assert_nothing_left(run_id)
 
 
-def test_cancel_from_another_thread(mode: str, spark: Any, tmp_path: Path) -> None:
+def test_cancel_from_another_thread_says_where_the_ranks_were(
+    mode: str, spark: Any, tmp_path: Path
+) -> None:
     d = distributor(mode, spark)
     d.cancel()  # nothing in progress: does nothing
+    assert d.stacks() == {}
     run = Run(d, long_training, str(tmp_path))
     pids = wait_ready(tmp_path)
     run_id = run_id_of(pids[0])
+    stacks = d.stacks()  # on demand, from another thread, while the ranks train
+    assert sorted(stacks) == [0, 1]
+    assert all("long_training" in text for text in stacks.values()), stacks
+    with pytest.raises(ConfigError, match="run_id"):
+        d.stacks(run_id="sparktorch-not-a-run")
     d.cancel()
     error = run.result()
     assert isinstance(error, TrainingCancelledError), error
+    assert sorted(error.stacks) == [0, 1] and "long_training" in error.stacks[1]
+    assert "where the ranks were" in str(error) and "rank 1 in " in str(error)
     assert_nothing_left(run_id)
     d.cancel()  # after the run: does nothing
 
@@ -170,15 +187,36 @@ def test_timeout_expiring(mode: str, spark: Any, tmp_path: Path) -> None:
     error = run.result()
     assert isinstance(error, TrainingTimeoutError), error
     assert error.setting == "timeout" and "raise timeout" in str(error)
+    assert "long_training" in error.stacks[0], error.stacks
     assert_nothing_left(run_id)
 
 
-def test_rank_hanging_in_a_collective_is_ended_by_the_timeout(tmp_path: Path) -> None:
-    run = Run(distributor("local", None, timeout=10), hang_in_collective, str(tmp_path))
+STALL_S = 5.0
+
+
+def test_a_stalled_run_fails_with_every_ranks_stack(mode: str, spark: Any, tmp_path: Path) -> None:
+    """Rank 1 sleeps in its data loading while rank 0 waits for it in an all-reduce."""
+    run = Run(distributor(mode, spark, stall_timeout=STALL_S), hang_in_collective, str(tmp_path))
     pids = wait_ready(tmp_path)
     run_id = run_id_of(pids[0])
-    assert isinstance(run.result(), TrainingTimeoutError)
+    ready = time.monotonic()
+    error = run.result()
+    took = time.monotonic() - ready
+    assert isinstance(error, TrainingStalledError), error
+    assert isinstance(error, TrainingFailedError)  # retried like any failed training
+    assert took < STALL_S + 30, f"the stall took {took:.1f} s to become an error"
+    assert [f.rank for f in error.failures] == [1, 0]  # rank 1 went silent first
+    assert error.stall_timeout == STALL_S and min(error.silent_for.values()) >= STALL_S
+    text = str(error)
+    assert "rank 1 silent for" in text and "in stuck_in_data_loading (training.py:" in text
+    assert "rank 0 silent for" in text and "in all_reduce (" in text
+    assert "time.sleep(3600)" in error.stacks[1] and "hang_in_collective" in error.stacks[0]
     assert_nothing_left(run_id)
+
+
+def test_a_heartbeat_keeps_a_quiet_run_from_stalling() -> None:
+    d = distributor("local", None, stall_timeout=2)
+    assert d.run(heartbeat_only, 6.0) == "done"
 
 
 def test_too_few_slots_with_start_timeout(spark: Any) -> None:

@@ -44,13 +44,33 @@ def fail_after_ready(ready_dir: str, how: str) -> str:
         time.sleep(0.1)
 
 
+def stuck_in_data_loading() -> None:
+    """A data loader that never returns."""
+    time.sleep(3600)
+
+
 def hang_in_collective(ready_dir: str) -> None:
-    """Rank 0 waits in an all-reduce that rank 1 never joins."""
+    """Rank 0 waits in an all-reduce that rank 1, stuck loading data, never joins; rank 0's
+    last line comes a second after rank 1's, so rank 1 is the one silent longest."""
     import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     mark_ready(ready_dir)
-    if os.environ["RANK"] == "0":
-        dist.all_reduce(torch.ones(1))
-    time.sleep(3600)
+    if os.environ["RANK"] == "1":
+        print("loading the next batch", flush=True)
+        stuck_in_data_loading()
+    time.sleep(1.0)
+    print("reducing", flush=True)
+    dist.all_reduce(torch.ones(1))
+
+
+def heartbeat_only(seconds: float) -> str:
+    """Prints nothing for ``seconds``, but reports a heartbeat (no values) twice a second."""
+    import sparktorch_ops
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sparktorch_ops.report()
+        time.sleep(0.5)
+    return "done"

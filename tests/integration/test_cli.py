@@ -47,6 +47,14 @@ def test_cli_prints_rank_output_and_exits_with_the_run_status(tmp_path: Path) ->
     assert failing.returncode == 4, (out, err)
     assert "rank 1 failed first" in err
 
+    stalled = cli(
+        "run", "--num-processes", "2", "--stall-timeout", "3", str(script),
+        env={"MODE": "hang", "READY_DIR": str(tmp_path)},
+    )  # fmt: skip
+    out, err = stalled.communicate(timeout=300)
+    assert stalled.returncode == 1, (out, err)
+    assert "training stalled" in err and "in <module> (train.py:8) <- time.sleep(600)" in err
+
     bad = cli("run", "--num-processes", "0", str(script))
     out, err = bad.communicate(timeout=60)
     assert bad.returncode == 2 and "num_processes" in err
@@ -68,4 +76,5 @@ def test_cli_sigint_cancels_and_leaves_nothing(tmp_path: Path) -> None:
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, (out, err)
     assert "cancelled" in err
+    assert "rank 1 in <module> (train.py:8) <- time.sleep(600)" in err  # taken before teardown
     assert not wait_until_gone(run_id, timeout=30)

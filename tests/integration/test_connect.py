@@ -124,9 +124,26 @@ def test_a_failing_rank_is_named_with_its_traceback(connect: Any, reach: str) ->
     assert wait_until_gone(None, 30) == []
 
 
-def sleep_long() -> None:
+def sleep_long(marker_dir: str | None = None) -> None:
     print("sleeping", flush=True)
+    if marker_dir is not None:  # the executors share this machine's file system
+        Path(marker_dir, f"rank{os.environ['RANK']}").write_text("sleeping")
     time.sleep(600)
+
+
+def when_both_sleep(marker_dir: Path, then: Any) -> None:
+    """``then()`` from a thread once both ranks are in ``sleep_long`` (a hang bound of 120 s)."""
+
+    def wait() -> None:
+        deadline = time.monotonic() + 120
+        while not all((marker_dir / f"rank{r}").exists() for r in (0, 1)):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
+        time.sleep(0.3)  # into the sleep
+        then()
+
+    threading.Thread(target=wait, daemon=True).start()
 
 
 def _run_id_recorder() -> tuple[list[str], Any]:
@@ -135,14 +152,21 @@ def _run_id_recorder() -> tuple[list[str], Any]:
 
 
 @pytest.mark.parametrize("reach", ["live", "relayed"])
-def test_cancel_stops_the_stage_and_leaves_no_process(connect: Any, reach: str) -> None:
+def test_cancel_stops_the_stage_and_leaves_no_process(
+    connect: Any, reach: str, tmp_path: Path
+) -> None:
     ids, on_event = _run_id_recorder()
     distributor = ranks_on(connect, reach, on_event=on_event)
-    threading.Timer(10, distributor.cancel).start()
+    when_both_sleep(tmp_path, distributor.cancel)
     started = time.monotonic()
-    with pytest.raises(TrainingCancelledError):
-        distributor.run(sleep_long)
+    with pytest.raises(TrainingCancelledError) as info:
+        distributor.run(sleep_long, str(tmp_path))
     assert time.monotonic() - started < 90
+    if reach == "live":  # where the ranks were travels over the channel
+        assert sorted(info.value.stacks) == [0, 1], info.value.stacks
+        assert all("in sleep_long (test_connect.py:" in s for s in info.value.stacks.values())
+    else:  # the ranks' frames come with the stage's result: nobody to ask
+        assert info.value.stacks == {}
     assert wait_until_gone(ids[0], 30) == [], "the ranks outlived the cancelled run"
     assert connect.range(3).count() == 3  # the session is still usable
 
@@ -150,7 +174,7 @@ def test_cancel_stops_the_stage_and_leaves_no_process(connect: Any, reach: str) 
 def test_timeout_stops_the_ranks(connect: Any) -> None:
     ids, on_event = _run_id_recorder()
     with pytest.raises(TrainingTimeoutError):
-        ranks_on(connect, "live", timeout=12, on_event=on_event).run(sleep_long)
+        ranks_on(connect, "live", timeout=8, on_event=on_event).run(sleep_long)
     assert wait_until_gone(ids[0], 30) == []
 
 

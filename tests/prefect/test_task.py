@@ -191,7 +191,11 @@ def test_task_timeout_stops_the_training(call: str, tmp_path: Path) -> None:
     assert (tmp_path / "rank1").read_text() == run_id
     assert wait_until_gone(run_id, timeout=15) == []
     assert elapsed < 60
-    assert run_ids(flow_run_logs(state.state_details.flow_run_id)) == [run_id]
+    logs = flow_run_logs(state.state_details.flow_run_id)
+    assert run_ids(logs) == [run_id]
+    # Where the ranks were when the timeout stopped them, in the task run's log.
+    where = [log.message for log in logs if " is in _sleep_forever (test_task.py:" in log.message]
+    assert len(where) == 2 and all("time.sleep(600)" in message for message in where), where
     summary = flow_run_artifacts(state.state_details.flow_run_id)["run-torch-distributor-summary"]
     assert ": timed out" in summary.data and "timeout_seconds=8" in summary.data
 
