@@ -48,6 +48,7 @@ ORDER = (
     "served_flow",
     "concurrency",
     "sweep_dag",
+    "stalls",
 )
 SUMMARY_START = "<!-- bench-summary:start -->"
 SUMMARY_END = "<!-- bench-summary:end -->"
@@ -76,6 +77,7 @@ def commands(repeats: int, memory_runs: int) -> dict[str, list[str]]:
         "served_flow": [py, str(BENCH_DIR / "served_flow.py")],
         "concurrency": [py, str(BENCH_DIR / "concurrency.py"), f"--repeats={repeats}"],
         "sweep_dag": [py, str(BENCH_DIR / "sweep_dag.py")],
+        "stalls": [py, str(BENCH_DIR / "stalls.py"), "--repeats=3"],
     }
 
 
