@@ -48,6 +48,7 @@ from sparktorch_ops.wire.messages import (
     STDOUT,
     ExitReport,
     Hello,
+    MessageError,
     RankStacks,
     StackRequest,
 )
@@ -149,9 +150,13 @@ class Supervisor:
                 kind, payload = self.client.recv_frame()
             except channel.ChannelError:
                 break
-            if kind == STACK_REQUEST:
+            if kind != STACK_REQUEST:
+                continue
+            try:
                 request = StackRequest.decode(payload).request
-                threading.Thread(target=self._send_stacks, args=(request,), daemon=True).start()
+            except MessageError:
+                continue  # not a request we can answer; the watch on the driver goes on
+            threading.Thread(target=self._send_stacks, args=(request,), daemon=True).start()
         self.client.closed = True
         if not self.finishing:
             self.stop_child(signal.SIGKILL)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -182,3 +183,22 @@ def test_stop_errors_say_where_the_ranks_were_and_survive_pickling() -> None:
     for stopped in errors[1:]:
         assert "where the ranks were when it was stopped:" in str(stopped)
         assert "  rank 0 in all_reduce (c10d.py:9)\n  rank 1 did not answer" in str(stopped)
+
+
+def test_a_supervisor_ignores_a_malformed_stack_request_and_keeps_watching() -> None:
+    """A request it cannot read does not end the thread that stops the rank when the driver
+    goes; the driver's hang-up still does."""
+    import socket
+
+    from sparktorch_ops.rank.bootstrap import Supervisor
+    from sparktorch_ops.wire import channel
+    from sparktorch_ops.wire.messages import STACK_REQUEST
+
+    driver, rank_side = socket.socketpair()
+    supervisor = Supervisor(channel.ChannelClient(rank_side), "secret")
+    stopped: list[int] = []
+    supervisor.stop_child = stopped.append  # type: ignore[method-assign, assignment]
+    driver.sendall(channel.encode_frame(STACK_REQUEST, b"not json"))
+    driver.close()
+    supervisor._serve_driver()  # returns on the hang-up; raised on the bad request before
+    assert supervisor.client.closed and stopped == [signal.SIGKILL]
