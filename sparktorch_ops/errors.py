@@ -18,10 +18,16 @@ class SparkTorchError(Exception):
     """Base class of every error sparktorch_ops raises."""
 
 
+def split_stacks(text: str) -> tuple[str, str]:
+    """A rank's stacks text as (where its training thread was: the first line, the threads)."""
+    where, _, threads = text.partition("\n")
+    return where, threads
+
+
 def where_ranks_were(stacks: Mapping[int, str]) -> str:
     """One line per rank: where its training thread was (the first line of its stacks)."""
     return "\n".join(
-        f"  rank {rank} {text.split(chr(10), 1)[0]}" for rank, text in sorted(stacks.items())
+        f"  rank {rank} {split_stacks(text)[0]}" for rank, text in sorted(stacks.items())
     )
 
 
@@ -163,7 +169,7 @@ class TrainingStalledError(TrainingFailedError):
         ]
         lines.extend(f"  {failure.who} {failure.reason}" for failure in self.failures)
         for rank, text in sorted(self.stacks.items()):
-            stack = text.split("\n", 1)[1] if "\n" in text else ""
+            stack = split_stacks(text)[1]
             if stack.strip():
                 lines.append(f"--- stacks of rank {rank} ---")
                 lines.extend(stack.rstrip("\n").splitlines()[-self._STACK_LINES :])

@@ -161,7 +161,7 @@ class Supervisor:
         collector = self._launched.collector
         failures = []
         for rank in sorted(silent, key=lambda rank: -silent[rank]):
-            where = stacks.get(rank, "").split("\n", 1)[0]
+            where = errors.split_stacks(stacks.get(rank, ""))[0]
             state = collector.ranks[rank]
             failures.append(
                 RankFailure(

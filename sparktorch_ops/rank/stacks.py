@@ -45,30 +45,18 @@ class Stacks:
     source: str  # one of wire.messages.STACK_SOURCES
 
 
-def _inside(frame: FrameType, entry: CodeType | None) -> FrameType | None:
-    """The frame ``frame`` came to through ``entry`` (the user's code starts below it), so a
-    stack shows training, not the launcher's frames above it; None if ``entry`` is not on it."""
-    inner = None
-    while frame is not None:
-        if frame.f_code is entry:
-            return inner
-        inner = frame
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
-
-
 def _format_stack(frame: FrameType, entry: CodeType | None) -> list[str]:
-    """``frame``'s stack, outermost first, from below ``entry`` when it is on the stack."""
-    below = _inside(frame, entry)
-    if below is None:
-        return traceback.format_stack(frame)
-    summaries = traceback.extract_stack(frame)
-    depth = 0
+    """``frame``'s stack, outermost first, from below ``entry`` (the code that calls the user's)
+    when ``entry`` is on it, so a stack shows training, not the launcher's frames above it."""
+    inner: list[FrameType] = []
     walker: FrameType | None = frame
-    while walker is not None and walker is not below:
-        depth += 1
+    while walker is not None and walker.f_code is not entry:
+        inner.append(walker)
         walker = walker.f_back
-    return traceback.format_list(summaries[-(depth + 1) :])
+    if walker is None:
+        return traceback.format_stack(frame)
+    summary = traceback.StackSummary.extract((f, f.f_lineno) for f in reversed(inner))
+    return summary.format()
 
 
 def format_threads(skip: int | None = None, entry: CodeType | None = None) -> Stacks:
