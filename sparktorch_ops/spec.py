@@ -99,10 +99,12 @@ def _require_bool(argument: str, value: object) -> bool:
 
 
 def _require_int(argument: str, value: object, minimum: int) -> int:
+    # "positive" is the word pyspark's TorchDistributor uses for num_processes < 1.
+    wanted = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(argument, f"must be an int >= {minimum}, got {value!r}")
+        raise ConfigError(argument, f"must be {wanted}, got {value!r}")
     if value < minimum:
-        raise ConfigError(argument, f"must be >= {minimum}, got {value}")
+        raise ConfigError(argument, f"must be {wanted}, got {value}")
     return value
 
 

@@ -53,7 +53,7 @@ def test_wrapper_builder_coerces_rendered_templates_and_names_wrapper_arguments(
         ({"train": str(tmp_path / "missing.py")}, "train", "the script"),
         ({"train": str(script), "train_kwargs": {"a": 1}}, "train_kwargs", "command-line"),
         ({"train": train, "train_args": "abc"}, "train_args", "list or tuple"),
-        ({"train": train, "num_processes": 0}, "num_processes", ">= 1"),
+        ({"train": train, "num_processes": 0}, "num_processes", "positive"),
         ({"train": train, "spark": None, "env": {"RANK": "1"}}, "env", "set by torchrun"),
     ]
     for kwargs, argument, text in cases:

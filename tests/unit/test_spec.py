@@ -46,6 +46,13 @@ def test_bad_options_raise_config_error_naming_the_argument(kwargs: dict, argume
     assert isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize("num_processes", [0, -1])
+def test_a_non_positive_num_processes_is_a_value_error_saying_positive(num_processes: int) -> None:
+    # pyspark's TorchDistributor raises ValueError("... positive ..."); callers match on both.
+    with pytest.raises(ValueError, match="positive"):
+        TorchDistributor(num_processes=num_processes)
+
+
 def test_defaults_match_pyspark() -> None:
     distributor = TorchDistributor()
     assert (distributor.num_processes, distributor.local_mode, distributor.use_gpu) == (
