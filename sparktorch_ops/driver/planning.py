@@ -24,6 +24,7 @@ from sparktorch_ops.wire.plan import (
     BarrierLayout,
     NodePlan,
     RunPlan,
+    visible_gpus,
 )
 
 AGENT_MODULE = "sparktorch_ops.node.agent"
@@ -161,15 +162,17 @@ def select_local_gpus(
 ) -> list[str]:
     """The driver GPUs a local-mode run takes, the same list for every rank.
 
-    Sources in order: the Spark session's ``spark.driver.resource.gpu`` addresses, a preset
-    ``CUDA_VISIBLE_DEVICES`` (sliced, not ignored), else the devices the machine has. The first
-    ``num_processes`` are taken, so ``cuda:LOCAL_RANK`` is a distinct GPU for every rank.
+    Sources in order: the Spark session's ``spark.driver.resource.gpu`` addresses (indices into
+    a preset ``CUDA_VISIBLE_DEVICES``, as in pyspark), a preset ``CUDA_VISIBLE_DEVICES`` (sliced,
+    not ignored), else the devices the machine has. The first ``num_processes`` are taken, so
+    ``cuda:LOCAL_RANK`` is a distinct GPU for every rank.
 
     Raises:
         ResourceError: fewer GPUs than ranks, or none at all.
     """
     if spark_driver_gpus is not None:
-        available, source = list(spark_driver_gpus), "spark.driver.resource.gpu"
+        available = visible_gpus(spark_driver_gpus, cuda_visible_devices)
+        source = "spark.driver.resource.gpu"
     elif cuda_visible_devices is not None and cuda_visible_devices.strip() != "":
         available = [d.strip() for d in cuda_visible_devices.split(",") if d.strip()]
         source = "CUDA_VISIBLE_DEVICES"

@@ -40,7 +40,7 @@ from sparktorch_ops.wire.messages import (
     ShardSizes,
 )
 from sparktorch_ops.wire.payload import Payload, write_rank_payload
-from sparktorch_ops.wire.plan import RunPlan
+from sparktorch_ops.wire.plan import RunPlan, visible_gpus
 
 _STORE_HOLD_S = 60.0
 #: How long a task that coordinates in the stage tries to reach the driver's channel before
@@ -183,7 +183,7 @@ class BarrierTask:
         hosts = [channel.split_address(info.address)[0] for info in ctx.getTaskInfos()]
         node_plan = self.plan.nodes[node]
         gpus = (
-            list(ctx.resources()["gpu"].addresses)
+            visible_gpus(ctx.resources()["gpu"].addresses, os.environ.get("CUDA_VISIBLE_DEVICES"))
             if node_plan.cuda_visible_devices is not None
             else None
         )

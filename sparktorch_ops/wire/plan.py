@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sparktorch_ops.errors import ResourceError
 from sparktorch_ops.wire.env import (
     CHANNEL_ENV,
     FINGERPRINT_ENV,
@@ -66,6 +67,32 @@ def agent_env(
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     return env
+
+
+def visible_gpus(addresses: Sequence[str], cuda_visible_devices: str | None) -> list[str]:
+    """The devices Spark's GPU addresses name, read as pyspark's TorchDistributor reads them.
+
+    Where the process already has ``CUDA_VISIBLE_DEVICES`` (a container runtime that exposes
+    only some devices sets it, and Spark's discovery script numbers those from 0), an address
+    is an index into that list; otherwise the addresses are the devices themselves.
+
+    Raises:
+        ResourceError: with a preset list, an address that is not an index into it.
+    """
+    if cuda_visible_devices is None or cuda_visible_devices.strip() == "":
+        return list(addresses)
+    visible = [device.strip() for device in cuda_visible_devices.split(",") if device.strip()]
+    devices = []
+    for address in addresses:
+        if not (address.isdigit() and int(address) < len(visible)):
+            raise ResourceError(
+                "use_gpu",
+                f"Spark's GPU address {address!r} is not an index into CUDA_VISIBLE_DEVICES="
+                f"{cuda_visible_devices!r}: make the GPU discovery script report indices of "
+                "the visible devices, or unset CUDA_VISIBLE_DEVICES",
+            )
+        devices.append(visible[int(address)])
+    return devices
 
 
 PAYLOAD_PATH = "<payload_path>"  # where the launcher writes the rank's payload

@@ -354,12 +354,18 @@ spark = fresh_session(**{{
     "spark.task.resource.gpu.amount": "2",
     "spark.driver.resource.gpu.amount": "3",
     "spark.driver.resource.gpu.discoveryScript": {driver_script!r},
+    "spark.executorEnv.CUDA_VISIBLE_DEVICES": "3,4,5",
 }})
 gpus = out["gpus"] = {{}}
 gpus["barrier"] = TorchDistributor(
     num_processes=4, local_mode=False, use_gpu=True, spark=spark, start_timeout=120
 ).run(layout)
 gpus["local"] = TorchDistributor(num_processes=2, local_mode=True, use_gpu=True, spark=spark).run(layout)
+os.environ["CUDA_VISIBLE_DEVICES"] = "3,4,5"
+gpus["local_preset"] = TorchDistributor(
+    num_processes=2, local_mode=True, use_gpu=True, spark=spark
+).run(layout)
+del os.environ["CUDA_VISIBLE_DEVICES"]
 try:
     TorchDistributor(num_processes=6, local_mode=False, use_gpu=True, spark=spark).run(layout)
 except Exception as exc:
@@ -379,7 +385,7 @@ def local_cluster_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[s
     worker_script.write_text('#!/bin/bash\necho \'{"name": "gpu", "addresses": ["0", "1"]}\'\n')
     driver_script = tmp_path / "driver_gpus.sh"
     driver_script.write_text(
-        '#!/bin/bash\necho \'{"name": "gpu", "addresses": ["5", "6", "7"]}\'\n'
+        '#!/bin/bash\necho \'{"name": "gpu", "addresses": ["0", "1", "2"]}\'\n'
     )
     for script in (worker_script, driver_script):
         script.chmod(0o755)
@@ -393,17 +399,24 @@ def test_gpu_assignment_with_fake_discovery_scripts(
     local_cluster_runs: tuple[dict[str, Any], str],
 ) -> None:
     """Like Spark's own tests: discovery scripts print fake GPU addresses; each rank must see
-    exactly its task's GPUs (barrier) or the same first-N driver GPUs (local mode)."""
+    exactly its task's GPUs (barrier) or the same first-N driver GPUs (local mode), and where
+    the process has a preset CUDA_VISIBLE_DEVICES=3,4,5 (the executors here), Spark's
+    addresses 0,1 index into it: the ranks see 3,4, as pyspark's do."""
     result, output = local_cluster_runs
     barrier = result["gpus"]["barrier"]
     assert [r["RANK"] for r in barrier] == ["0", "1", "2", "3"], output
     assert sorted(r["LOCAL_RANK"] for r in barrier) == ["0", "0", "1", "1"]
-    assert {r["CUDA_VISIBLE_DEVICES"] for r in barrier} == {"0,1"}
+    assert {r["CUDA_VISIBLE_DEVICES"] for r in barrier} == {"3,4"}
     assert sorted(r["GROUP_RANK"] for r in barrier) == ["0", "0", "1", "1"]
     local = result["gpus"]["local"]
     assert [(r["LOCAL_RANK"], r["CUDA_VISIBLE_DEVICES"]) for r in local] == [
-        ("0", "5,6"),
-        ("1", "5,6"),
+        ("0", "0,1"),
+        ("1", "0,1"),
+    ]
+    preset = result["gpus"]["local_preset"]
+    assert [(r["LOCAL_RANK"], r["CUDA_VISIBLE_DEVICES"]) for r in preset] == [
+        ("0", "3,4"),
+        ("1", "3,4"),
     ]
     assert result["gpus"]["too_many"][0] == "ResourceError"
     assert "num_processes" in result["gpus"]["too_many"][1]

@@ -135,8 +135,12 @@ def test_barrier_layout_rejects_missing_fractional_and_uneven_gpu_amounts() -> N
 def test_local_gpus_prefer_spark_then_cuda_visible_devices_then_machine() -> None:
     select = planning.select_local_gpus
     assert select(
-        2, spark_driver_gpus=["5", "6", "7"], cuda_visible_devices="0,1", device_count=8
+        2, spark_driver_gpus=["5", "6", "7"], cuda_visible_devices=None, device_count=8
     ) == ["5", "6"]
+    # As in pyspark: Spark's addresses index into a preset CUDA_VISIBLE_DEVICES.
+    assert select(
+        2, spark_driver_gpus=["0", "1", "2"], cuda_visible_devices="3,4,5", device_count=8
+    ) == ["3", "4"]
     assert select(2, spark_driver_gpus=None, cuda_visible_devices="3, 1,2", device_count=8) == [
         "3",
         "1",
@@ -160,6 +164,17 @@ def test_local_gpus_errors_say_what_to_do() -> None:
             3, spark_driver_gpus=None, cuda_visible_devices="0,1", device_count=8
         )
     assert info.value.argument == "num_processes"
+
+
+def test_spark_gpu_addresses_index_into_a_preset_cuda_visible_devices() -> None:
+    assert run_plan.visible_gpus(["0", "1"], "3,4,5") == ["3", "4"]
+    assert run_plan.visible_gpus(["2", "0"], " 3, 4 ,5") == ["5", "3"]
+    assert run_plan.visible_gpus(["0", "1"], None) == ["0", "1"]
+    assert run_plan.visible_gpus(["GPU-1f2e"], "") == ["GPU-1f2e"]
+    for address in ("3", "GPU-1f2e", "-1"):
+        with pytest.raises(ResourceError, match="not an index into CUDA_VISIBLE_DEVICES") as info:
+            run_plan.visible_gpus([address], "3,4,5")
+        assert info.value.argument == "use_gpu"
 
 
 def test_slot_check() -> None:
