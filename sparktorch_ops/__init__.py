@@ -54,7 +54,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # The distributor pulls in cloudpickle and psutil; keep `import sparktorch_ops` (done by
+    # The distributor pulls in pyspark; keep `import sparktorch_ops` (done by
     # every rank for report()) as light as the names it needs.
     if name == "TorchDistributor":
         from sparktorch_ops.distributor import TorchDistributor

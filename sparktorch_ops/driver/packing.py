@@ -1,15 +1,17 @@
 """Code shipping on the driver: what a rank runs, checked and packed.
 
-Functions travel with cloudpickle. A function whose module the ranks cannot import (``__main__``,
-an Airflow DAG file, a Prefect flow file, a test file: anything outside site-packages and the
-standard library) is pickled by value, together with the other such modules it references.
-Scripts travel as their bytes, so they need not exist on the executors
-(:mod:`sparktorch_ops.wire.payload`).
+Functions travel with pyspark's copy of cloudpickle, which every Python that runs pyspark's
+workers has (the executors need no cloudpickle of their own). A function whose module the
+ranks cannot import (``__main__``, an Airflow DAG file, a Prefect flow file, a test file:
+anything outside site-packages and the standard library) is pickled by value, together with
+the other such modules it references. Scripts travel as their bytes, so they need not exist
+on the executors (:mod:`sparktorch_ops.wire.payload`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import pickle
@@ -22,9 +24,7 @@ from collections import ChainMap
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
-
-import cloudpickle
+from typing import Any
 
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.wire.payload import FunctionCall, Payload, Script
@@ -152,13 +152,15 @@ def pickle_call(
     argument: str = "train_object",
 ) -> bytes:
     """cloudpickle ``(fn, args, kwargs)``, shipping non-importable user modules by value."""
+    from pyspark import cloudpickle
+
     modules = _user_modules(fn)
     try:
         with contextlib.ExitStack() as registrations:
             for module in modules:
                 registrations.enter_context(pickled_by_value(cloudpickle, module))
             buffer = io.BytesIO()
-            _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump((fn, args, kwargs))
+            _pickler()(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump((fn, args, kwargs))
             return buffer.getvalue()
     except Exception as exc:
         raise ConfigError(
@@ -168,17 +170,28 @@ def pickle_call(
         ) from exc
 
 
-def _code_reduce_keeping_filename(code: types.CodeType) -> Any:
-    # cloudpickle blanks co_filename; keep it so a rank's traceback names the real file (and
-    # shows its lines wherever that file exists).
-    constructor, args = cloudpickle.cloudpickle._code_reduce(code)
-    return constructor, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+@functools.cache
+def _pickler() -> type[pickle.Pickler]:
+    """pyspark's cloudpickle Pickler, keeping each code object's file name: cloudpickle blanks
+    it, and a rank's traceback then names the real file (and shows its lines wherever that
+    file exists)."""
+    from pyspark import cloudpickle
 
+    # cloudpickle 3 (pyspark 4) keeps its reducers in cloudpickle.py, 2.2 (pyspark 3.5) in
+    # cloudpickle_fast.py.
+    reducers = getattr(cloudpickle, "cloudpickle_fast", cloudpickle.cloudpickle)
+    code_reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None) or reducers._code_reduce
 
-class _Pickler(cloudpickle.Pickler):
-    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
-        {types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table
-    )
+    def keeping_filename(code: types.CodeType) -> Any:
+        constructor, args = code_reduce(code)
+        return constructor, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+    class Pickler(cloudpickle.Pickler):
+        dispatch_table = ChainMap(  # noqa: RUF012 (pickle.Pickler reads it per instance)
+            {types.CodeType: keeping_filename}, cloudpickle.Pickler.dispatch_table
+        )
+
+    return Pickler
 
 
 def _installed_prefixes() -> tuple[str, ...]:
@@ -192,7 +205,7 @@ def _installed_prefixes() -> tuple[str, ...]:
 
 def _is_user_module(module: types.ModuleType, installed: tuple[str, ...]) -> bool:
     if module.__name__.split(".")[0] in ("sparktorch_ops", "cloudpickle", "pyspark"):
-        return False  # our own package must be installed where the ranks run
+        return False  # the run ships our own package; pyspark is where its workers run
     file = getattr(module, "__file__", None)
     if not file:
         return False

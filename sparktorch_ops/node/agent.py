@@ -53,6 +53,8 @@ def run(expected_parent: int) -> NoReturn:
     _poll_rendezvous_sooner(sys.argv[2:])
 
     # Imported here so that every forked rank finds them (and torch) loaded already.
+    import pyspark.cloudpickle  # noqa: F401
+
     import sparktorch_ops.rank.bootstrap  # noqa: F401
 
     status = 1

@@ -12,10 +12,12 @@ and reads the machine's interfaces.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import ipaddress
+import os
 import socket
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 from sparktorch_ops.wire.env import GLOO_IFNAME_ENV, NCCL_IFNAME_ENV
 
@@ -30,13 +32,13 @@ def _parse(address: str) -> _Address | None:
         return None
 
 
-def interface_for(address: str, interfaces: Mapping[str, Sequence[Any]]) -> str | None:
+def interface_for(address: str, interfaces: Mapping[str, Sequence[str]]) -> str | None:
     """The interface that holds ``address``.
 
     Args:
         address: an IPv4 or IPv6 address.
-        interfaces: interface name -> its addresses, as ``psutil.net_if_addrs()`` returns them
-            (items with an ``address`` attribute; MAC entries are skipped).
+        interfaces: interface name -> its addresses, as :func:`interface_addresses` returns
+            them (entries that are not IP addresses are skipped).
 
     Returns:
         The first interface (in the mapping's order) holding the address; None when none does,
@@ -48,7 +50,7 @@ def interface_for(address: str, interfaces: Mapping[str, Sequence[Any]]) -> str 
         return None
     for name, addresses in interfaces.items():
         for entry in addresses:
-            if _parse(str(getattr(entry, "address", ""))) == wanted:
+            if _parse(entry) == wanted:
                 return name
     return None
 
@@ -82,7 +84,7 @@ def resolve(host: str) -> list[str]:
 
 
 def first_interface(
-    addresses: Iterable[str], interfaces: Mapping[str, Sequence[Any]]
+    addresses: Iterable[str], interfaces: Mapping[str, Sequence[str]]
 ) -> str | None:
     """The interface holding the first of ``addresses`` that any holds (:func:`interface_for`)."""
     for address in addresses:
@@ -99,10 +101,65 @@ def node_socket_env(host: str, env: Mapping[str, str]) -> dict[str, str]:
     """
     if GLOO_IFNAME_ENV in env and NCCL_IFNAME_ENV in env:
         return {}
-    import psutil
-
     try:
-        interfaces = psutil.net_if_addrs()
-    except (OSError, psutil.Error):
+        interfaces = interface_addresses()
+    except OSError:
         return {}
     return socket_env(env, first_interface(resolve(host), interfaces))
+
+
+class _Sockaddr(ctypes.Structure):
+    _fields_ = [("family", ctypes.c_ushort)]
+
+
+# Where the address lies in each family's sockaddr (after the family and the port; IPv6 also
+# has its flow info first): (offset, length).
+_ADDRESS_BYTES = {socket.AF_INET: (4, 4), socket.AF_INET6: (8, 16)}
+
+
+class _Ifaddrs(ctypes.Structure):
+    pass
+
+
+_Ifaddrs._fields_ = [
+    ("next", ctypes.POINTER(_Ifaddrs)),
+    ("name", ctypes.c_char_p),
+    ("flags", ctypes.c_uint),
+    ("addr", ctypes.POINTER(_Sockaddr)),
+    ("netmask", ctypes.POINTER(_Sockaddr)),
+    ("broadcast_or_peer", ctypes.POINTER(_Sockaddr)),
+    ("data", ctypes.c_void_p),
+]
+
+
+def interface_addresses() -> dict[str, list[str]]:
+    """This machine's interfaces and their IPv4 and IPv6 addresses, in libc's order (the
+    names and addresses gloo and NCCL see: both read ``getifaddrs`` too).
+
+    Raises:
+        OSError: libc has no ``getifaddrs`` or it failed.
+    """
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if not hasattr(libc, "getifaddrs"):
+        raise OSError("libc has no getifaddrs")
+    head = ctypes.POINTER(_Ifaddrs)()
+    if libc.getifaddrs(ctypes.byref(head)) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"getifaddrs: {os.strerror(errno)}")
+    found: dict[str, list[str]] = {}
+    try:
+        entry = head
+        while entry:
+            item = entry.contents
+            name = (item.name or b"").decode(errors="replace")
+            addresses = found.setdefault(name, [])
+            family = item.addr.contents.family if item.addr else None
+            if family in _ADDRESS_BYTES:
+                offset, length = _ADDRESS_BYTES[family]
+                raw = ctypes.cast(item.addr, ctypes.POINTER(ctypes.c_ubyte * (offset + length)))
+                packed = bytes(raw.contents)[offset:]
+                addresses.append(socket.inet_ntop(family, packed))
+            entry = item.next
+    finally:
+        libc.freeifaddrs(head)
+    return found

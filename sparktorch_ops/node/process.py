@@ -12,9 +12,8 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import IO
-
-import psutil
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -241,34 +240,95 @@ class ForkedChild:
         self.send_signal(signal.SIGKILL)
 
 
-def tree_of(pid: int) -> list[psutil.Process]:
-    """The process and all its descendants that are still alive (parents first)."""
+@dataclass(frozen=True)
+class ProcessHandle:
+    """A process by its pid and its start time, so that a pid the kernel has since given to
+    another process is never signalled (read from ``/proc``: the executors need no psutil)."""
+
+    pid: int
+    started: int  # clock ticks after boot (/proc/<pid>/stat, field 22)
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessHandle | None:
+        """The process ``pid`` now, or None when there is none."""
+        stat = _stat(pid)
+        return None if stat is None else cls(pid, stat.started)
+
+    def running(self) -> bool:
+        """Whether this very process still runs (a zombie has ended)."""
+        stat = _stat(self.pid)
+        return stat is not None and stat.started == self.started and stat.state not in "ZX"
+
+    def send_signal(self, signum: int) -> bool:
+        """Signal the process if it still runs; whether the signal was sent."""
+        if not self.running():
+            return False
+        try:
+            os.kill(self.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class _Stat:
+    state: str
+    parent: int
+    started: int
+
+
+def _stat(pid: int) -> _Stat | None:
+    """Fields of ``/proc/<pid>/stat`` (the command name may hold spaces and parentheses)."""
     try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            text = file.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return _Stat(state=fields[0], parent=int(fields[1]), started=int(fields[19]))
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def tree_of(pid: int) -> list[ProcessHandle]:
+    """The process and all its descendants that are still alive (parents first)."""
+    root = ProcessHandle.of(pid)
+    if root is None:
         return []
+    children: dict[int, list[ProcessHandle]] = {}
+    for other in _pids():
+        stat = _stat(other)
+        if stat is not None:
+            children.setdefault(stat.parent, []).append(ProcessHandle(other, stat.started))
+    found, index = [root], 0
+    while index < len(found):
+        found.extend(children.get(found[index].pid, []))
+        index += 1
+    return [proc for proc in found if proc.running()]
 
 
-def terminate_processes(processes: Iterable[psutil.Process], grace: float = 5.0) -> None:
+def _wait_gone(processes: list[ProcessHandle], timeout: float) -> list[ProcessHandle]:
+    """Wait up to ``timeout`` seconds for the processes to end; the ones still running."""
+    deadline = time.monotonic() + timeout
+    alive = [proc for proc in processes if proc.running()]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [proc for proc in alive if proc.running()]
+    return alive
+
+
+def terminate_processes(processes: Iterable[ProcessHandle], grace: float = 5.0) -> None:
     """SIGTERM every process, wait up to ``grace`` seconds, then SIGKILL the survivors.
 
     Safe to call twice and on processes that already exited.
     """
-    alive = []
-    for proc in processes:
-        try:
-            proc.send_signal(signal.SIGTERM)
-            alive.append(proc)
-        except psutil.Error:
-            pass
-    _, survivors = psutil.wait_procs(alive, timeout=grace)
+    signalled = [proc for proc in processes if proc.send_signal(signal.SIGTERM)]
+    survivors = _wait_gone(signalled, grace)
     for proc in survivors:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(survivors, timeout=5)
+        proc.send_signal(signal.SIGKILL)
+    _wait_gone(survivors, 5.0)
 
 
 def terminate_tree(pid: int, grace: float = 5.0) -> None:
@@ -336,16 +396,19 @@ class AgentProcess:
                 stream.close()
 
 
-def marked_processes(marker_env: str, value: str) -> list[psutil.Process]:
+def marked_processes(marker_env: str, value: str) -> list[ProcessHandle]:
     """Processes of this user whose environment has ``marker_env=value`` (ours excluded)."""
     found = []
-    me = os.getpid()
-    for proc in psutil.process_iter():
-        if proc.pid == me:
+    me, wanted = os.getpid(), f"{marker_env}={value}".encode()
+    for pid in _pids():
+        if pid == me:
             continue
+        proc = ProcessHandle.of(pid)
         try:
-            if proc.environ().get(marker_env) == value:
-                found.append(proc)
-        except psutil.Error:
+            with open(f"/proc/{pid}/environ", "rb") as file:
+                environ = file.read().split(b"\0")
+        except OSError:  # gone, or another user's
             continue
+        if proc is not None and wanted in environ:
+            found.append(proc)
     return found

@@ -31,10 +31,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import psutil
-
 from sparktorch_ops.node.forkserver import command_line_room, slot_value
-from sparktorch_ops.node.process import AgentProcess, pump_lines, terminate_tree
+from sparktorch_ops.node.process import AgentProcess, ProcessHandle, pump_lines, terminate_tree
 from sparktorch_ops.wire.env import PER_RUN_VARIABLES, WARM_AGENT_ENV, WARM_PROCESS_ENV
 
 #: ``0`` (or ``false``/``no``/``off``) in the launcher's environment: start every agent cold.
@@ -193,10 +191,7 @@ class ForkedAgent:
         self.pid = pid
         self._sock = sock
         self._returncode: int | None = None
-        try:
-            self._process: psutil.Process | None = psutil.Process(pid)
-        except psutil.Error:
-            self._process = None
+        self._process = ProcessHandle.of(pid)
         self._streams = [os.fdopen(fd, "rb", buffering=0) for fd in (out_read, err_read)]
         self._pumps = [
             threading.Thread(target=pump_lines, args=(stream, emit), daemon=True)
@@ -223,10 +218,7 @@ class ForkedAgent:
         return self._returncode
 
     def _running(self) -> bool:
-        try:
-            return self._process is not None and self._process.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
+        return self._process is not None and self._process.running()
 
     def finish_output(self, timeout: float = 5.0) -> None:
         """Wait for the output pumps to reach the end of the streams."""

@@ -19,8 +19,6 @@ import time
 import traceback
 from typing import Any
 
-import cloudpickle
-
 from sparktorch_ops.data import shards
 from sparktorch_ops.node.process import exit_status, finish_like_an_interpreter, set_process_name
 from sparktorch_ops.rank import reporting, stacks
@@ -64,6 +62,8 @@ def _record_torchelastic_error(exc: BaseException) -> None:
 def run_payload(record: dict[str, Any], client: channel.ChannelClient, rank: int) -> int:
     """Run the function or script; send rank 0's result. Returns the exit code."""
     if record["kind"] == "function":
+        from pyspark import cloudpickle  # the driver's pickler: the executors' pyspark has it
+
         fn, args, kwargs = cloudpickle.loads(record["data"])
         value = fn(*args, **kwargs)
         if rank == 0:

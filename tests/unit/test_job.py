@@ -19,21 +19,25 @@ from sparktorch_ops.outcome import outcome_of
 from sparktorch_ops.results import RankFailure
 from sparktorch_ops.spark.session import SparkSettings
 from sparktorch_ops.spec import LaunchSpec
-from sparktorch_ops.wire.payload import FunctionCall, Script
+from sparktorch_ops.wire.payload import Script
 
 
 def train(a: int, b: int = 0) -> int:
     return a + b
 
 
-def test_a_job_is_validated_and_packed_once(tmp_path: Path) -> None:
-    job = TrainingJob(train, [1], {"b": 2}, LaunchSpec(num_processes=2, use_gpu=False))
-    assert isinstance(job.payload, FunctionCall) and job.payload.name == "train"
-    assert job.args == (1,) and job.mode == "local"
-    script = tmp_path / "t.py"
-    script.write_text("print(1)")
-    scripted = TrainingJob(str(script), ("--lr", 1))
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    """A training script (a function job needs pyspark's pickler: tests/integration)."""
+    path = tmp_path / "t.py"
+    path.write_text("print(1)")
+    return str(path)
+
+
+def test_a_script_job_is_validated_and_packed_once(script: str) -> None:
+    scripted = TrainingJob(script, ("--lr", 1), options=LaunchSpec(num_processes=2, use_gpu=False))
     assert isinstance(scripted.payload, Script) and scripted.payload.argv == ("--lr", "1")
+    assert scripted.args == ("--lr", 1) and scripted.mode == "local"
 
 
 def test_wrapper_builder_coerces_rendered_templates_and_names_wrapper_arguments(
@@ -70,10 +74,10 @@ def test_cancel_token_keeps_the_first_reason() -> None:
     assert token.cancelled and token.reason == "first"
 
 
-def test_a_job_cancelled_before_launch_never_starts() -> None:
+def test_a_job_cancelled_before_launch_never_starts(script: str) -> None:
     from sparktorch_ops.distributor import launch_job
 
-    job = TrainingJob(train, (1,), options=LaunchSpec(use_gpu=False))
+    job = TrainingJob(script, (), options=LaunchSpec(use_gpu=False))
     job.cancel_token.cancel("killed during templating")
     with pytest.raises(TrainingCancelledError, match="killed during templating"):
         launch_job(job)
@@ -119,12 +123,12 @@ def test_an_env_value_of_none_is_refused_not_stringified() -> None:
         build_job(train=train, use_gpu=False, env={"A": None})
 
 
-def test_dry_run_reads_spark_numbers_from_the_conf_and_names_a_bad_one() -> None:
+def test_dry_run_reads_spark_numbers_from_the_conf_and_names_a_bad_one(script: str) -> None:
     from sparktorch_ops.distributor import plan_job
 
     def job(conf: dict[str, str]) -> TrainingJob:
         spec = LaunchSpec(num_processes=2, local_mode=False, use_gpu=True)
-        return TrainingJob(train, (1,), options=spec, spark=SparkSettings(conf=conf))
+        return TrainingJob(script, (), options=spec, spark=SparkSettings(conf=conf))
 
     plan = plan_job(job({"spark.task.resource.gpu.amount": "2", "spark.task.cpus": "4"}))
     assert (plan.layout.num_tasks, plan.nodes[0].omp_threads) == (1, 2)

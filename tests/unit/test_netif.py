@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-from typing import NamedTuple
 
 import psutil
 import pytest
@@ -12,33 +11,11 @@ from sparktorch_ops.node import netif
 from sparktorch_ops.node.netif import first_interface, interface_for, node_socket_env, socket_env
 from sparktorch_ops.wire.env import GLOO_IFNAME_ENV, NCCL_IFNAME_ENV
 
-AF_LINK = psutil.AF_LINK
-
-
-class Addr(NamedTuple):
-    """The shape of one ``psutil.net_if_addrs()`` entry."""
-
-    family: int
-    address: str
-    netmask: str | None = None
-    broadcast: str | None = None
-    ptp: str | None = None
-
-
-def addr(family: int, address: str) -> Addr:
-    return Addr(family, address)
-
-
 INTERFACES = {
-    "lo": [addr(socket.AF_INET, "127.0.0.1"), addr(socket.AF_INET6, "::1")],
-    "eth0": [
-        addr(socket.AF_INET, "192.0.2.2"),
-        addr(socket.AF_INET6, "fd00::2"),
-        addr(socket.AF_INET6, "fe80::fc:ff:fe00:1%eth0"),
-        addr(AF_LINK, "02:fc:00:00:00:01"),
-    ],
-    "br-x": [addr(socket.AF_INET, "10.77.0.1")],
-    "eth1": [addr(socket.AF_INET, "10.77.0.2")],
+    "lo": ["127.0.0.1", "::1"],
+    "eth0": ["192.0.2.2", "fd00::2", "fe80::fc:ff:fe00:1%eth0", "02:fc:00:00:00:01"],
+    "br-x": ["10.77.0.1"],
+    "eth1": ["10.77.0.2"],
 }
 
 
@@ -50,7 +27,7 @@ INTERFACES = {
         ("10.77.0.1", "br-x"),
         ("fd00::2", "eth0"),
         ("FD00:0::2", "eth0"),  # the same address, spelt otherwise
-        ("fe80::fc:ff:fe00:1", "eth0"),  # psutil's zone suffix is ignored
+        ("fe80::fc:ff:fe00:1", "eth0"),  # a zone suffix is ignored
         ("fe80::fc:ff:fe00:1%eth0", "eth0"),
         ("10.77.0.3", None),  # nobody here holds it
         ("127.0.0.1", None),  # loopback: nothing to choose
@@ -69,9 +46,9 @@ def test_interface_for_finds_the_interface_holding_the_address(
 
 
 def test_interface_for_takes_the_first_holder_and_ignores_loopback_even_on_lo() -> None:
-    both = {"a": [addr(socket.AF_INET, "10.0.0.5")], "b": [addr(socket.AF_INET, "10.0.0.5")]}
+    both = {"a": ["10.0.0.5"], "b": ["10.0.0.5"]}
     assert interface_for("10.0.0.5", both) == "a"
-    assert interface_for("127.0.0.1", {"lo": [addr(socket.AF_INET, "127.0.0.1")]}) is None
+    assert interface_for("127.0.0.1", {"lo": ["127.0.0.1"]}) is None
     assert interface_for("10.0.0.5", {}) is None
 
 
@@ -109,7 +86,7 @@ def test_resolve_keeps_ip_literals_and_never_raises() -> None:
 
 
 def test_node_socket_env_uses_this_machines_interfaces(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(psutil, "net_if_addrs", lambda: INTERFACES)
+    monkeypatch.setattr(netif, "interface_addresses", lambda: INTERFACES)
     assert node_socket_env("10.77.0.2", {}) == {GLOO_IFNAME_ENV: "eth1", NCCL_IFNAME_ENV: "=eth1"}
     assert node_socket_env("10.77.0.2", {GLOO_IFNAME_ENV: "x"}) == {NCCL_IFNAME_ENV: "=eth1"}
     # Loopback (local[N], local-cluster on 127.0.0.1) and unknown hosts add nothing.
@@ -124,7 +101,7 @@ def test_node_socket_env_reads_nothing_when_the_user_set_both(
     def boom() -> None:
         raise AssertionError("interfaces read although the user set both")
 
-    monkeypatch.setattr(psutil, "net_if_addrs", boom)
+    monkeypatch.setattr(netif, "interface_addresses", boom)
     assert node_socket_env("10.77.0.2", {GLOO_IFNAME_ENV: "a", NCCL_IFNAME_ENV: "b"}) == {}
 
 
@@ -134,16 +111,25 @@ def test_node_socket_env_survives_an_unreadable_interface_table(
     def fail() -> None:
         raise OSError("no /proc")
 
-    monkeypatch.setattr(psutil, "net_if_addrs", fail)
+    monkeypatch.setattr(netif, "interface_addresses", fail)
     assert node_socket_env("10.77.0.2", {}) == {}
 
 
-def test_the_real_interface_table_has_the_shape_we_read() -> None:
-    table = psutil.net_if_addrs()
-    assert interface_for("127.0.0.1", table) is None
-    for entries in table.values():
-        for entry in entries:
-            if entry.family == socket.AF_INET and not entry.address.startswith("127."):
-                holder = interface_for(entry.address, table)
-                assert holder is not None
-                assert entry.address in [e.address for e in table[holder]]
+def test_the_interface_table_is_the_one_psutil_reads() -> None:
+    """libc's table read without psutil (the executors need not have it) holds the same
+    interfaces and IP addresses as psutil's read of it."""
+    ours = netif.interface_addresses()
+    theirs = {
+        name: sorted(
+            entry.address.split("%", 1)[0]
+            for entry in entries
+            if entry.family in (socket.AF_INET, socket.AF_INET6)
+        )
+        for name, entries in psutil.net_if_addrs().items()
+    }
+    assert {name: sorted(addresses) for name, addresses in ours.items()} == theirs
+    assert interface_for("127.0.0.1", ours) is None
+    for name, addresses in ours.items():
+        for address in addresses:
+            if not netif.ipaddress.ip_address(address).is_loopback:
+                assert address in ours[interface_for(address, ours) or ""], (name, address)
