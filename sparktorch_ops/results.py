@@ -6,9 +6,10 @@ import math
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pendulum
+if TYPE_CHECKING:  # a driver-side type: the ranks import this module without pendulum
+    import pendulum
 
 # The start of the line a rank's supervisor sends when it stopped forwarding a stream before
 # its end (a process the rank started still held the pipe open); the driver marks the run's

@@ -17,7 +17,10 @@ from sparktorch_ops.wire.env import (
     WARM_START_ENV,
 )
 from sparktorch_ops.wire.plan import (
+    BOOTSTRAP_IN_ROOT,
     NODE_HOST,
+    NODE_PYTHON,
+    PACKAGE_ROOT,
     RDZV_ENDPOINT,
     TASK_GPUS,
     UNKNOWN,
@@ -28,10 +31,13 @@ from sparktorch_ops.wire.plan import (
 )
 
 AGENT_MODULE = "sparktorch_ops.node.agent"
-# torchrun runs this file in the agent's own interpreter (--run-path) in a forked child.
+# torchrun runs this file in the agent's own interpreter (--run-path) in a forked child: the
+# driver's copy in local mode; a barrier task fills in its own (sparktorch_ops.node.package).
 BOOTSTRAP_SCRIPT = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rank", "bootstrap.py"
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    BOOTSTRAP_IN_ROOT,
 )
+TASK_BOOTSTRAP_SCRIPT = f"{PACKAGE_ROOT}/{BOOTSTRAP_IN_ROOT}"
 # Ranks are forked from the agent, which has already imported torch (DESIGN section 9);
 # torchrun_args may say --start-method=spawn to give each rank a fresh interpreter instead.
 DEFAULT_START_METHOD = "fork"
@@ -49,6 +55,7 @@ def agent_argv(
     is_rdzv_host: bool | None,
     join_timeout: float | None,
     extra_args: Sequence[str],
+    bootstrap_script: str = BOOTSTRAP_SCRIPT,
 ) -> tuple[str, ...]:
     """The command line of one node's torchrun agent.
 
@@ -69,6 +76,8 @@ def agent_argv(
         is_rdzv_host: whether this agent hosts the rendezvous store (None: torchrun decides).
         join_timeout: seconds the rendezvous waits for all nodes (None: torchrun's default).
         extra_args: user torchrun options, already validated.
+        bootstrap_script: the ranks' bootstrap file (:data:`TASK_BOOTSTRAP_SCRIPT` where the
+            node fills in its own copy).
     """
     conf = []
     if is_rdzv_host is not None:
@@ -92,7 +101,7 @@ def agent_argv(
         argv.append(f"--rdzv-conf={','.join(conf)}")
     argv.extend(["--run-path", f"--start-method={DEFAULT_START_METHOD}"])
     argv.extend(extra_args)
-    argv.extend([BOOTSTRAP_SCRIPT, run_id])
+    argv.extend([bootstrap_script, run_id])
     return tuple(argv)
 
 
@@ -236,7 +245,8 @@ class RunFacts:
 
     Attributes:
         run_id: the run's id (also the rendezvous id and the process-table marker).
-        python: the interpreter the agents run (``sys.executable``; the same on executors).
+        python: the interpreter of a local-mode agent (``sys.executable``; a barrier task fills
+            in its own).
         channel_address: the driver's channel listener, ``host:port``.
         channel_fingerprint: its TLS certificate's SHA-256 (None: plain TCP).
         driver_host: this machine's host name, for local mode's rank prefixes.
@@ -273,6 +283,7 @@ def plan_run(spec: Any, payload: str, facts: RunFacts) -> RunPlan:
         # One agent with every rank; its store binds a free loopback port itself.
         layout = BarrierLayout(num_tasks=1, ranks_per_task=n)
         endpoint, local_addr, is_host = "127.0.0.1:0", "127.0.0.1", None
+        bootstrap, python = BOOTSTRAP_SCRIPT, facts.python
         hosts = facts.driver_host
         omp: int | None = local_omp_threads(facts.cpu_count, n) if facts.cpu_count else None
         gpus: str | None = None
@@ -282,11 +293,12 @@ def plan_run(spec: Any, payload: str, facts: RunFacts) -> RunPlan:
         # One agent per barrier task; task 0's process hosts the store, found at run time.
         layout = barrier_layout(n, spec.use_gpu, facts.task_gpu_amount)
         endpoint, local_addr, is_host = RDZV_ENDPOINT, NODE_HOST, False
+        bootstrap, python = TASK_BOOTSTRAP_SCRIPT, NODE_PYTHON
         hosts, omp = NODE_HOST, barrier_omp_threads(facts.task_cpus, layout.ranks_per_task)
         gpus = TASK_GPUS if spec.use_gpu else None
     per = layout.ranks_per_task
     argv = agent_argv(
-        python=facts.python,
+        python=python,
         run_id=facts.run_id,
         nnodes=layout.num_tasks,
         nproc_per_node=per,
@@ -296,6 +308,7 @@ def plan_run(spec: Any, payload: str, facts: RunFacts) -> RunPlan:
         is_rdzv_host=is_host,
         join_timeout=spec.start_timeout,
         extra_args=spec.torchrun_args,
+        bootstrap_script=bootstrap,
     )
     nodes = tuple(
         NodePlan(

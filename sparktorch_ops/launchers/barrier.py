@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from sparktorch_ops.errors import SparkJobKilledError
 from sparktorch_ops.node.task import STAGE_DDL, BarrierTask, TaskReport, stage_row_item, stage_rows
 from sparktorch_ops.spark.dataframe import PreparedInput
+from sparktorch_ops.spark.shipping import ship_package
 from sparktorch_ops.wire.payload import Payload
 from sparktorch_ops.wire.plan import RunPlan
 
@@ -97,6 +98,7 @@ class BarrierLauncher:
     def _submit(self) -> list[TaskReport]:
         """Run the barrier stage to its end (tagged with the run id); the tasks' reports."""
         sc, plan = self._sc, self._plan
+        ship_package(sc)
         sc.addJobTag(plan.run_id)
         try:
             # The run's job group (its Spark lines go to its logger, see spark/jvm_log.py).

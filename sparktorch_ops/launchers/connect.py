@@ -30,6 +30,7 @@ from sparktorch_ops.spark.session import (
     connect_endpoint,
     connect_server_reachable,
 )
+from sparktorch_ops.spark.shipping import ship_package
 from sparktorch_ops.wire import channel
 from sparktorch_ops.wire.payload import Payload
 from sparktorch_ops.wire.plan import RunPlan
@@ -111,6 +112,7 @@ class ConnectBarrierLauncher(BarrierLauncher):
     def _submit(self) -> list[TaskReport]:
         spark, plan = self._session, self._plan
         num_tasks = plan.layout.num_tasks
+        ship_package(spark)
         self._job_thread = threading.get_ident()
         spark.addTag(plan.run_id)  # tags of a Connect session are per thread
         spark.registerProgressHandler(self._progress)

@@ -7,7 +7,8 @@ from typing import Any
 
 
 def probe_executor(_: Iterable[Any]) -> Iterator[dict[str, Any]]:
-    """Report the executor's Python and whether it can import what the ranks need."""
+    """Report the executor's Python and whether it can import what the ranks need (the run
+    ships sparktorch_ops itself, and pyspark's workers bring cloudpickle)."""
     import importlib
     import socket
     import sys
@@ -18,7 +19,7 @@ def probe_executor(_: Iterable[Any]) -> Iterator[dict[str, Any]]:
         "host": socket.gethostname(),
         "missing": {},
     }
-    for name in ("torch", "cloudpickle", "psutil", "sparktorch_ops"):
+    for name in ("torch",):
         try:
             importlib.import_module(name)
         except Exception as exc:  # any import failure is the finding itself

@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -22,7 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from sparktorch_ops.data.shards import ShardFile, shard_name, write_schema_file, write_shards
-from sparktorch_ops.node import netif
+from sparktorch_ops.node import netif, package
 from sparktorch_ops.node.process import marked_processes, terminate_processes
 from sparktorch_ops.node.relay import Relay, RelayedFrame
 from sparktorch_ops.node.warm import after_run, start_agent
@@ -315,9 +316,16 @@ class BarrierTask:
             host=host,
             rdzv_endpoint=endpoint,
             gpus=gpus,
+            package_root=package.runnable_root(),
+            python=sys.executable,
         )
         # Ranks talk over the interface Spark reaches this host on (unless the user chose).
-        env = {**agent_plan.env, **netif.node_socket_env(host, agent_plan.env), **data_env}
+        env = {
+            **agent_plan.env,
+            **netif.node_socket_env(host, agent_plan.env),
+            **package.shipped_env(agent_plan.env),
+            **data_env,
+        }
         agent = start_agent(
             agent_plan.argv,
             env,

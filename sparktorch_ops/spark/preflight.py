@@ -264,8 +264,7 @@ def probe_executors(sc: SparkContext, num_tasks: int) -> list[dict[str, Any]]:
             raise ConfigError(
                 _PYTHON_SETTING,
                 f"the executors run another Python version than the driver ({driver_python}); "
-                f"set {_PYTHON_SETTING} to a Python {driver_python} interpreter that has torch "
-                "and sparktorch_ops",
+                f"set {_PYTHON_SETTING} to a Python {driver_python} interpreter that has torch",
             ) from None
         raise
     for executor in found:
@@ -281,8 +280,8 @@ def probe_executors(sc: SparkContext, num_tasks: int) -> list[dict[str, Any]]:
             raise ConfigError(
                 _PYTHON_SETTING,
                 f"the executors' Python {executor['executable']} on {executor['host']} cannot "
-                f"import: {missing}. Install sparktorch-ops (with torch) there, or set "
-                f"{_PYTHON_SETTING} to an interpreter that has them",
+                f"import: {missing}. Install torch there (sparktorch_ops itself travels with "
+                f"the run), or set {_PYTHON_SETTING} to an interpreter that has it",
             )
     _PROBED[executors] = found
     return found

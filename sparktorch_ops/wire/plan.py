@@ -100,7 +100,12 @@ SECRET_PATH = "<secret_path>"  # where the launcher writes the run's secret (mod
 NODE_HOST = "<node_host>"  # the barrier task's host, from Spark's task infos
 RDZV_ENDPOINT = "<rdzv_endpoint>"  # task 0's rendezvous store, learnt during the run
 TASK_GPUS = "<task_gpus>"  # the barrier task's GPU addresses, from Spark's task resources
+PACKAGE_ROOT = "<package_root>"  # the directory of the node's own copy of sparktorch_ops
+NODE_PYTHON = "<node_python>"  # the barrier task's interpreter (Spark's PYSPARK_PYTHON there)
 UNKNOWN = "<unknown>"  # a fact a dry run did not gather (no I/O)
+_NODE_PLACEHOLDERS = (NODE_HOST, RDZV_ENDPOINT, TASK_GPUS, PACKAGE_ROOT, NODE_PYTHON, UNKNOWN)
+#: Where the ranks' bootstrap lies under a package root (torchrun runs it as a file).
+BOOTSTRAP_IN_ROOT = "sparktorch_ops/rank/bootstrap.py"
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,8 @@ class NodePlan:
         host: str | None = None,
         rdzv_endpoint: str | None = None,
         gpus: Sequence[str] | None = None,
+        package_root: str | None = None,
+        python: str | None = None,
     ) -> AgentPlan:
         """Fill in what the node learnt (pure): the agent's exact argv and environment.
 
@@ -177,11 +184,15 @@ class NodePlan:
             values[RDZV_ENDPOINT] = rdzv_endpoint
         if gpus is not None:
             values[TASK_GPUS] = ",".join(gpus)
+        if package_root is not None:
+            values[PACKAGE_ROOT] = package_root
+        if python is not None:
+            values[NODE_PYTHON] = python
 
         def fill(text: str) -> str:
             for placeholder, value in values.items():
                 text = text.replace(placeholder, value)
-            if any(p in text for p in (NODE_HOST, RDZV_ENDPOINT, TASK_GPUS, UNKNOWN)):
+            if any(p in text for p in _NODE_PLACEHOLDERS):
                 raise ValueError(f"unfilled placeholder in {text!r}")
             return text
 
@@ -252,6 +263,8 @@ class RunPlan:
                 NODE_HOST: "the barrier task's host (Spark's task infos)",
                 RDZV_ENDPOINT: "task 0's rendezvous store, learnt during the run",
                 TASK_GPUS: "the barrier task's GPU addresses (Spark's task resources)",
+                PACKAGE_ROOT: "the barrier task's copy of sparktorch_ops (shipped by the driver)",
+                NODE_PYTHON: "the barrier task's Python (PYSPARK_PYTHON on the executors)",
                 UNKNOWN: "a fact that a dry run does not gather",
             },
             "nodes": nodes,

@@ -115,6 +115,59 @@ def test_code_shipping_on_the_standalone_cluster(
     assert str(tmp_path) not in script_line  # ran from the shipped copy, not the driver's file
 
 
+SHIPPED_PACKAGE_PROGRAM = """
+import os, sys
+from pyspark.sql import SparkSession
+from sparktorch_ops import TorchDistributor
+
+def trained():
+    import sparktorch_ops, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    return {{"sum": total.item(), "package": sparktorch_ops.__file__, "python": sys.executable}}
+
+out = {{}}
+for name, python in {pythons!r}.items():
+    os.environ["PYSPARK_PYTHON"] = python  # the executors' Python of this application
+    spark = (SparkSession.builder.master({master!r}).config("spark.driver.host", "127.0.0.1")
+             .config("spark.executor.memory", "1g").getOrCreate())
+    try:
+        d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark)
+        out[name] = d.run(trained)
+    finally:
+        spark.stop()
+emit(out)
+"""
+
+
+def test_executors_with_torch_but_no_working_sparktorch_ops_train_with_the_drivers_copy(
+    standalone_cluster: Cluster, tmp_path: Path
+) -> None:
+    """Workers whose Python has torch and pyspark only, then one with a broken sparktorch_ops
+    installed: both train in barrier mode, agents and ranks on the executors' Python, importing
+    the copy the driver shipped (unpacked in the application's files, not site-packages)."""
+    from tests.support import worker_env
+
+    coverage = worker_env.measuring_coverage()
+    pythons = {
+        "missing": worker_env.build(tmp_path / "missing", broken=False, coverage=coverage),
+        "broken": worker_env.build(tmp_path / "broken", broken=True, coverage=coverage),
+    }
+    program = SHIPPED_PACKAGE_PROGRAM.format(pythons=pythons, master=standalone_cluster.master_url)
+    result, output = run_driver(tmp_path, program)
+    for name, python in pythons.items():
+        ran = result[name]
+        assert ran["sum"] == 3.0, output[-3000:]
+        assert ran["python"] == python  # the agent and ranks: the executors' own Python
+        shipped = Path(ran["package"]).parents[1]
+        assert shipped.name.startswith("sparktorch_ops-") and "site-packages" not in str(shipped)
+        assert (shipped / "sparktorch_ops" / "node" / "task.py").read_bytes() == (
+            Path(__file__).parents[2] / "sparktorch_ops" / "node" / "task.py"
+        ).read_bytes()
+
+
 def test_dataframe_input_on_the_standalone_cluster(
     standalone_runs: tuple[dict[str, Any], str, Path],
 ) -> None:

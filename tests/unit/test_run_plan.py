@@ -12,7 +12,14 @@ from sparktorch_ops.errors import ResourceError
 from sparktorch_ops.spec import LaunchSpec
 from sparktorch_ops.wire import env as wire_env
 from sparktorch_ops.wire import plan as run_plan
-from sparktorch_ops.wire.plan import NODE_HOST, PAYLOAD_PATH, RDZV_ENDPOINT, TASK_GPUS, UNKNOWN
+from sparktorch_ops.wire.plan import (
+    NODE_HOST,
+    NODE_PYTHON,
+    PAYLOAD_PATH,
+    RDZV_ENDPOINT,
+    TASK_GPUS,
+    UNKNOWN,
+)
 
 FACTS = RunFacts(
     run_id="run1",
@@ -76,17 +83,22 @@ def test_barrier_plan_has_one_node_per_task_with_placeholders_bound_in_the_task(
     assert [n.ranks for n in plan.nodes] == [(0, 1), (2, 3)]
     node = plan.nodes[1]
     assert node.argv == (
-        "/py", "-m", "sparktorch_ops.node.agent", "r", "--nnodes=2", "--nproc-per-node=2",
+        NODE_PYTHON, "-m", "sparktorch_ops.node.agent", "r", "--nnodes=2", "--nproc-per-node=2",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={RDZV_ENDPOINT}", "--rdzv-id=r",
         "--max-restarts=0", f"--local-addr={NODE_HOST}", "--rdzv-conf=is_host=false,join_timeout=30",
-        "--run-path", "--start-method=fork", BOOT, "r",
+        "--run-path", "--start-method=fork", planning.TASK_BOOTSTRAP_SCRIPT, "r",
     )  # fmt: skip
     assert (node.host, node.cuda_visible_devices, node.omp_threads) == (NODE_HOST, TASK_GPUS, 2)
     agent = node.bind(
         {"OMP_NUM_THREADS": "3"}, run_id="r", channel="d:1", fingerprint="f1",
-        payload_path="/p", secret_path="/s", launcher_pid=7, host="w2", rdzv_endpoint="w0:999", gpus=["0", "1"],
+        payload_path="/p", secret_path="/s", launcher_pid=7, host="w2", rdzv_endpoint="w0:999",
+        gpus=["0", "1"], package_root="/copy", python="/executor/python",
     )  # fmt: skip
     assert "--rdzv-endpoint=w0:999" in agent.argv and "--local-addr=w2" in agent.argv
+    # The task's own Python and copy of the package run the agent and the ranks, wherever
+    # the driver's lie.
+    assert agent.argv[0] == "/executor/python"
+    assert agent.argv[-2] == "/copy/sparktorch_ops/rank/bootstrap.py"
     assert agent.env["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert agent.env[wire_env.NODE_HOST_ENV] == "w2"
     assert agent.env["OMP_NUM_THREADS"] == "3"  # the node's own setting wins
@@ -124,7 +136,8 @@ def test_bind_fills_placeholders_even_over_a_nested_runs_variables() -> None:
     outer = {wire_env.PAYLOAD_ENV: "/outer/payload.pkl", wire_env.NODE_HOST_ENV: "outer"}
     agent = node.bind(
         outer, run_id="run1", channel="d:1", fingerprint=None, payload_path="/p",
-        secret_path="/s", launcher_pid=1, host="w0", rdzv_endpoint="w0:1",
+        secret_path="/s", launcher_pid=1, host="w0", rdzv_endpoint="w0:1", package_root="/c",
+        python="/p",
     )  # fmt: skip
     assert agent.env[wire_env.PAYLOAD_ENV] == "/p" and agent.env[wire_env.NODE_HOST_ENV] == "w0"
 
