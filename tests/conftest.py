@@ -151,10 +151,18 @@ def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Connect
     In this process, connect with ``pyspark.sql.connect.session.SparkSession.builder``:
     ``pyspark.sql.SparkSession.builder.remote(...)`` refuses while the classic ``spark``
     fixture runs, and otherwise sets ``SPARK_CONNECT_MODE_ENABLED`` for the whole process.
+    Its Python workers run an interpreter with torch and pyspark whose own sparktorch_ops is
+    broken (``tests/support/worker_env.py``): every run over Connect trains with the copy the
+    client ships.
     """
     from tests.support import connect_server as connect_support
+    from tests.support import worker_env
 
-    with connect_support.running_connect_server(tmp_path_factory.mktemp("spark-connect")) as s:
+    directory = tmp_path_factory.mktemp("spark-connect")
+    python = worker_env.build(
+        directory / "executor-python", broken=True, coverage=worker_env.measuring_coverage()
+    )
+    with connect_support.running_connect_server(directory, executor_python=python) as s:
         yield s
 
 

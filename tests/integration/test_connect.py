@@ -44,7 +44,10 @@ def connect(connect_server: ConnectServer) -> Iterator[Any]:
 
     session = ConnectSession.builder.remote(connect_server.url).getOrCreate()
     yield session
-    session.stop()
+    if connect_server.process.poll() is None:
+        session.stop()
+    else:  # the module's last test killed the server: stop() would retry it for minutes
+        session.client.close()
 
 
 def ranks_on(connect: Any, reach: str, **options: Any) -> TorchDistributor:
@@ -103,6 +106,25 @@ def test_value_lines_and_metrics(connect: Any, reach: str) -> None:
         assert len(notes) == 1 and "channel_host" in notes[0] and UNREACHABLE in notes[0]
         rank_lines = [r for r in collect.records if "sees 3.0" in r.getMessage()]
         assert all(r.levelno == logging.INFO for r in rank_lines)
+
+
+def where_the_package_comes_from() -> dict[str, str]:
+    import sparktorch_ops
+
+    return {"package": sparktorch_ops.__file__, "python": sys.executable}
+
+
+def test_ranks_import_the_clients_copy_over_a_broken_installed_one(
+    connect: Any, connect_server: ConnectServer
+) -> None:
+    """The server's Python workers have a broken sparktorch_ops installed (the fixture): the
+    run trains with the copy the client shipped as an artifact, on the executors' Python."""
+    found = ranks_on(connect, "live").run(where_the_package_comes_from)
+    assert found["python"] == connect_server.executor_python
+    shipped = Path(found["package"]).parents[1]
+    assert shipped.name.startswith("sparktorch_ops-") and "site-packages" not in str(shipped)
+    here = Path(__file__).parents[2] / "sparktorch_ops" / "checkpoint.py"
+    assert (shipped / "sparktorch_ops" / "checkpoint.py").read_bytes() == here.read_bytes()
 
 
 def fail_on_rank_1() -> str:

@@ -53,6 +53,7 @@ class ConnectServer:
     port: int
     process: subprocess.Popen[bytes]
     log_path: Path
+    executor_python: str | None = None  # None: this interpreter
 
     def log(self, last: int = 6000) -> str:
         """The end of the server's output."""
@@ -208,9 +209,11 @@ def start_connect_server(
     conf: Mapping[str, str] | None = None,
     *,
     timeout: float = 120.0,
+    executor_python: str | None = None,
 ) -> ConnectServer:
     """Start a Connect server on 127.0.0.1 and a free port, logging to ``tmp_dir``; wait until
-    a client can run a job. The caller must :meth:`ConnectServer.stop` it."""
+    a client can run a job. ``executor_python``: its Python workers' interpreter (default:
+    this one). The caller must :meth:`ConnectServer.stop` it."""
     tmp_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log_path = tmp_dir / "connect-server.log"
@@ -218,13 +221,16 @@ def start_connect_server(
         process = subprocess.Popen(
             server_command(port, master, conf),
             cwd=tmp_dir,  # spark-warehouse, metastore_db and the like land here
-            env=server_env(),
+            env={
+                **server_env(),
+                **({"PYSPARK_PYTHON": executor_python} if executor_python else {}),
+            },
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-    server = ConnectServer(f"sc://127.0.0.1:{port}", port, process, log_path)
+    server = ConnectServer(f"sc://127.0.0.1:{port}", port, process, log_path, executor_python)
     try:
         _wait_ready(server, timeout)
     except BaseException:
@@ -240,9 +246,12 @@ def running_connect_server(
     conf: Mapping[str, str] | None = None,
     *,
     timeout: float = 120.0,
+    executor_python: str | None = None,
 ) -> Iterator[ConnectServer]:
     """A Connect server for the duration of the block (see :func:`start_connect_server`)."""
-    server = start_connect_server(tmp_dir, master, conf, timeout=timeout)
+    server = start_connect_server(
+        tmp_dir, master, conf, timeout=timeout, executor_python=executor_python
+    )
     try:
         yield server
     finally:
