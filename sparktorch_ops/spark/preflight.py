@@ -7,6 +7,7 @@ setting to change.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -46,10 +47,30 @@ def check_barrier(
     emit(events.EXECUTORS_CHECKED)
 
 
+def check_connect_client(pyspark_version: str) -> None:
+    """Barrier mode over Spark Connect needs a pyspark 4 client (pure).
+
+    Raises:
+        ConfigError: naming ``spark``, for an older client.
+    """
+    leading = re.match(r"\d+", pyspark_version)
+    if leading is None or int(leading.group()) < 4:
+        raise ConfigError(
+            "spark",
+            f"barrier mode over Spark Connect needs pyspark 4.0 or later, this client has "
+            f"pyspark {pyspark_version} (its Connect client cannot run a barrier stage): use "
+            "a classic session (a spark:// or yarn master), or pyspark 4 on the client and "
+            "the server",
+        )
+
+
 def check_barrier_over_connect(session: Any, spec: LaunchSpec, emit: Callable[..., None]) -> None:
-    """Barrier mode over Spark Connect: settings and layout, and the slots where the server's
-    master fixes them (a client cannot count a cluster's free slots; the start deadline
-    covers the rest)."""
+    """Barrier mode over Spark Connect: the client's version, settings and layout, and the
+    slots where the server's master fixes them (a client cannot count a cluster's free slots;
+    the start deadline covers the rest)."""
+    import pyspark
+
+    check_connect_client(pyspark.__version__)
     check_barrier_conf(session)
     layout = barrier_layout(spec.num_processes, spec.use_gpu, task_gpu_amount(session))
     slots = known_slots(session)

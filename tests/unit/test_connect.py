@@ -10,7 +10,7 @@ import pytest
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.node.relay import CLOSED_RECORD, HELLO_RECORD, Relay, RelayedFrame, Replayer
 from sparktorch_ops.node.task import TaskReport, stage_row_item, stage_rows
-from sparktorch_ops.spark.preflight import known_slots
+from sparktorch_ops.spark.preflight import check_connect_client, known_slots
 from sparktorch_ops.spark.session import parse_master, redact_connect_url
 from sparktorch_ops.spec import LaunchSpec
 from sparktorch_ops.wire import channel
@@ -179,3 +179,14 @@ def test_closing_a_relay_with_no_client_returns_at_once(tmp_path: Any) -> None:
     thread.join(5)
     assert not thread.is_alive()
     assert list(relay.frames()) == []
+
+
+@pytest.mark.parametrize("version", ["3.5.9", "3.4.1", "dev"])
+def test_a_connect_client_older_than_pyspark_4_is_a_config_error_naming_its_version(
+    version: str,
+) -> None:
+    with pytest.raises(ConfigError, match=r"pyspark 4\.0 or later") as info:
+        check_connect_client(version)
+    assert info.value.argument == "spark" and f"pyspark {version}" in str(info.value)
+    for supported in ("4.0.5", "4.3.0", "4.1.0.dev1"):
+        check_connect_client(supported)
