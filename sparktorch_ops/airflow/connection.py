@@ -141,8 +141,8 @@ def resolve_connection(conn_id: str, log: Any) -> SparkConnection:
         ValueError: the connection has no master (no host), or a ``spark_connect`` one's host
             has a path.
     """
+    from airflow.providers.common.compat.sdk import AirflowNotFoundException
     from airflow.sdk import BaseHook
-    from airflow.sdk.exceptions import AirflowNotFoundException
 
     try:
         conn = BaseHook.get_connection(conn_id)
@@ -238,8 +238,8 @@ def mlflow_uri_from_connection(conn_id: str, log: Any) -> str | None:
     """The MLflow tracking URI held by Airflow connection ``conn_id`` (its ``extra``'s
     ``tracking_uri``, else ``schema://host:port`` with ``http`` by default); None when there
     is no such connection (then ``MLFLOW_TRACKING_URI`` or MLflow's default applies)."""
+    from airflow.providers.common.compat.sdk import AirflowNotFoundException
     from airflow.sdk import BaseHook
-    from airflow.sdk.exceptions import AirflowNotFoundException
 
     try:
         conn = BaseHook.get_connection(conn_id)

@@ -12,8 +12,9 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+# The common-compat provider (installed with Airflow) maps these onto each Airflow 3.x.
+from airflow.providers.common.compat.sdk import AirflowException, AirflowFailException
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from sparktorch_ops import events, options
 from sparktorch_ops.airflow import storage, task_instance

@@ -69,7 +69,7 @@ class ResultIntegrityError(ResultStorageError):
 
 def default_result_location() -> str:
     """``[sparktorch_ops] result_location`` from Airflow's config, else under ``AIRFLOW_HOME``."""
-    from airflow.sdk import conf
+    from airflow.providers.common.compat.sdk import conf
 
     configured = conf.get(CONFIG_SECTION, "result_location", fallback=None)
     if configured:
@@ -80,7 +80,7 @@ def default_result_location() -> str:
 
 def default_max_xcom_value_bytes() -> int:
     """``[sparktorch_ops] max_xcom_value_bytes`` from Airflow's config, else 48 KB."""
-    from airflow.sdk import conf
+    from airflow.providers.common.compat.sdk import conf
 
     return int(
         conf.getint(CONFIG_SECTION, "max_xcom_value_bytes", fallback=DEFAULT_MAX_XCOM_VALUE_BYTES)

@@ -129,10 +129,22 @@ def read_xcom(dag_id: str, run_id: str, task_id: str, key: str = "return_value")
 
 def load_dag(dag_id: str) -> Any:
     """The DAG ``dag_id`` parsed from the session's DAGs folder, checked for import errors."""
-    from airflow.dag_processing.dagbag import DagBag
+    try:
+        from airflow.dag_processing.dagbag import DagBag
+
+        serialize = None
+    except ImportError:  # Airflow before 3.2: airflow.models, and dag.test() needs it serialized
+        from airflow.models.dagbag import DagBag, sync_bag_to_db
+
+        serialize = sync_bag_to_db
 
     bag = DagBag(dag_folder=str(DAGS_FOLDER))
     assert not bag.import_errors, bag.import_errors
+    if serialize is not None:
+        from airflow.dag_processing.bundles.manager import DagBundlesManager
+
+        DagBundlesManager().sync_bundles_to_db()
+        serialize(bag, "dags-folder", None)
     dag = bag.get_dag(dag_id)
     assert dag is not None, f"{dag_id} not in {sorted(bag.dag_ids)}"
     return dag
