@@ -4,7 +4,8 @@
 #   bash scripts/test.sh               everything (what CI runs): ruff and the benchmark pages'
 #                                      check, then the integration and e2e tiers in one pytest,
 #                                      with mypy and the unit tier (pyspark/Airflow/Prefect/MLflow
-#                                      blocked) beside it on the other core
+#                                      blocked) beside it on the other core; then the core subset
+#                                      on the oldest version row (scripts/compat.sh oldest)
 #   bash scripts/test.sh -m unit       one selection only: the arguments go to pytest
 #   bash scripts/test.sh -m "not e2e"  (ruff, the pages' check and mypy run either way)
 #   bash scripts/test.sh --coverage [ARGS]   the same under coverage.py, rank and agent
@@ -87,6 +88,9 @@ if [ "$#" -eq 0 ]; then
   beside "unit tier (integrations blocked)" "${python[@]}" -m tests.support.blocked_unit_tier -q
   step "integration and e2e tiers" "${python[@]}" -m pytest -ra --durations=25 -m "not unit" ||
     status=$?
+  if [ "$coverage" = 0 ]; then
+    step "oldest version row, core subset" bash scripts/compat.sh oldest || status=$?
+  fi
 else
   step "pytest $*" "${python[@]}" -m pytest -ra --durations=25 "$@" || status=$?
 fi
