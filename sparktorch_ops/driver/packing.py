@@ -1,11 +1,12 @@
 """Code shipping on the driver: what a rank runs, checked and packed.
 
 Functions travel with pyspark's copy of cloudpickle, which every Python that runs pyspark's
-workers has (the executors need no cloudpickle of their own). A function whose module the
-ranks cannot import (``__main__``, an Airflow DAG file, a Prefect flow file, a test file:
-anything outside site-packages and the standard library) is pickled by value, together with
-the other such modules it references. Scripts travel as their bytes, so they need not exist
-on the executors (:mod:`sparktorch_ops.wire.payload`).
+workers has, so the executors need no cloudpickle of their own
+(:mod:`sparktorch_ops.rank.pickling`). A function whose module the ranks cannot import
+(``__main__``, an Airflow DAG file, a Prefect flow file, a test file: anything outside
+site-packages and the standard library) is pickled by value, together with the other such
+modules it references. Scripts travel as their bytes, so they need not exist on the executors
+(:mod:`sparktorch_ops.wire.payload`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.rank.pickling import cloudpickle_module
 from sparktorch_ops.wire.payload import FunctionCall, Payload, Script
 
 _MAX_BY_VALUE_MODULES = 64
@@ -152,8 +154,7 @@ def pickle_call(
     argument: str = "train_object",
 ) -> bytes:
     """cloudpickle ``(fn, args, kwargs)``, shipping non-importable user modules by value."""
-    from pyspark import cloudpickle
-
+    cloudpickle = cloudpickle_module()
     modules = _user_modules(fn)
     try:
         with contextlib.ExitStack() as registrations:
@@ -172,10 +173,10 @@ def pickle_call(
 
 @functools.cache
 def _pickler() -> type[pickle.Pickler]:
-    """pyspark's cloudpickle Pickler, keeping each code object's file name: cloudpickle blanks
-    it, and a rank's traceback then names the real file (and shows its lines wherever that
-    file exists)."""
-    from pyspark import cloudpickle
+    """The ranks' cloudpickle Pickler, keeping each code object's file name: cloudpickle
+    blanks it, and a rank's traceback then names the real file (and shows its lines wherever
+    that file exists)."""
+    cloudpickle = cloudpickle_module()
 
     # cloudpickle 3 (pyspark 4) keeps its reducers in cloudpickle.py, 2.2 (pyspark 3.5) in
     # cloudpickle_fast.py.
@@ -186,9 +187,11 @@ def _pickler() -> type[pickle.Pickler]:
         constructor, args = code_reduce(code)
         return constructor, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
 
-    class Pickler(cloudpickle.Pickler):
+    base: Any = cloudpickle.Pickler
+
+    class Pickler(base):
         dispatch_table = ChainMap(  # noqa: RUF012 (pickle.Pickler reads it per instance)
-            {types.CodeType: keeping_filename}, cloudpickle.Pickler.dispatch_table
+            {types.CodeType: keeping_filename}, base.dispatch_table
         )
 
     return Pickler

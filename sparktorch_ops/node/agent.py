@@ -53,7 +53,9 @@ def run(expected_parent: int) -> NoReturn:
     _poll_rendezvous_sooner(sys.argv[2:])
 
     # Imported here so that every forked rank finds them (and torch) loaded already.
-    import pyspark.cloudpickle  # noqa: F401
+    from sparktorch_ops.rank.pickling import cloudpickle_module
+
+    cloudpickle_module()
 
     import sparktorch_ops.rank.bootstrap  # noqa: F401
 

@@ -277,7 +277,9 @@ def main() -> None:
     # A Spark Python worker may ignore SIGCHLD; exit statuses must be collectable here.
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     # What an agent would import first thing, so that no run pays for it.
-    import pyspark.cloudpickle  # noqa: F401
+    from sparktorch_ops.rank.pickling import cloudpickle_module
+
+    cloudpickle_module()
     import torch.distributed.run  # noqa: F401
 
     import sparktorch_ops.node.agent

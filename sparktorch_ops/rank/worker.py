@@ -22,6 +22,7 @@ from typing import Any
 from sparktorch_ops.data import shards
 from sparktorch_ops.node.process import exit_status, finish_like_an_interpreter, set_process_name
 from sparktorch_ops.rank import reporting, stacks
+from sparktorch_ops.rank.pickling import cloudpickle_module
 from sparktorch_ops.wire import channel
 from sparktorch_ops.wire.env import (
     CHANNEL_ENV,
@@ -62,8 +63,7 @@ def _record_torchelastic_error(exc: BaseException) -> None:
 def run_payload(record: dict[str, Any], client: channel.ChannelClient, rank: int) -> int:
     """Run the function or script; send rank 0's result. Returns the exit code."""
     if record["kind"] == "function":
-        from pyspark import cloudpickle  # the driver's pickler: the executors' pyspark has it
-
+        cloudpickle = cloudpickle_module()
         fn, args, kwargs = cloudpickle.loads(record["data"])
         value = fn(*args, **kwargs)
         if rank == 0:
