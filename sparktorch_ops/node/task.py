@@ -26,7 +26,7 @@ from sparktorch_ops.data.shards import ShardFile, shard_name, write_schema_file,
 from sparktorch_ops.node import netif, package
 from sparktorch_ops.node.process import marked_processes, terminate_processes
 from sparktorch_ops.node.relay import Relay, RelayedFrame
-from sparktorch_ops.node.warm import after_run, start_agent
+from sparktorch_ops.node.warm import after_run, prestart, start_agent
 from sparktorch_ops.wire import channel
 from sparktorch_ops.wire.env import DATA_DIR_ENV, EPOCH_ROWS_ENV, RUN_ID_ENV, SCHEMA_FILE_ENV
 from sparktorch_ops.wire.messages import (
@@ -189,6 +189,10 @@ class BarrierTask:
             else None
         )
         hello = Hello(role="node", node=node, host=hosts[node], attempt=0, pid=os.getpid())
+        # A Spark Python worker that is not reused (Spark Connect's) has no warm process yet:
+        # its torch import then overlaps the channel, the store and the tasks' agreement.
+        argv, env = self._agent_command(node, hosts[node], hosts[0], gpus, os.devnull, os.devnull)
+        prestart(argv, env)
         client, relay, unreachable = self._connect(hello, workdir)
         store = None
         try:
@@ -292,6 +296,40 @@ class BarrierTask:
             raise channel.ChannelError(f"no data layout: {layout.error}")
         return int(first["port"]), layout.epoch_rows, anyone_relays
 
+    def _agent_command(
+        self,
+        node: int,
+        host: str,
+        endpoint: str,
+        gpus: list[str] | None,
+        payload_path: str,
+        secret_path: str,
+        relay: Relay | None = None,
+    ) -> tuple[list[str], dict[str, str]]:
+        """The node's agent argv and environment (the DataFrame input's variables aside)."""
+        plan = self.plan
+        agent_plan = plan.nodes[node].bind(
+            os.environ,
+            run_id=plan.run_id,
+            channel=relay.address if relay is not None else plan.channel_address,
+            fingerprint=plan.channel_fingerprint if relay is None else None,
+            payload_path=payload_path,
+            secret_path=secret_path,
+            launcher_pid=os.getpid(),
+            host=host,
+            rdzv_endpoint=endpoint,
+            gpus=gpus,
+            package_root=package.runnable_root(),
+            python=sys.executable,
+        )
+        # Ranks talk over the interface Spark reaches this host on (unless the user chose).
+        env = {
+            **agent_plan.env,
+            **netif.node_socket_env(host, agent_plan.env),
+            **package.shipped_env(agent_plan.env),
+        }
+        return list(agent_plan.argv), env
+
     def _run_agent(
         self,
         client: channel.ChannelClient,
@@ -305,30 +343,18 @@ class BarrierTask:
         stop: StopSignal | None,
     ) -> int | None:
         plan = self.plan
-        agent_plan = plan.nodes[node].bind(
-            os.environ,
-            run_id=plan.run_id,
-            channel=relay.address if relay is not None else plan.channel_address,
-            fingerprint=plan.channel_fingerprint if relay is None else None,
-            payload_path=write_rank_payload(self.payload, workdir, in_place=False),
-            secret_path=channel.write_secret_file(workdir, self.secret),
-            launcher_pid=os.getpid(),
-            host=host,
-            rdzv_endpoint=endpoint,
-            gpus=gpus,
-            package_root=package.runnable_root(),
-            python=sys.executable,
+        argv, env = self._agent_command(
+            node,
+            host,
+            endpoint,
+            gpus,
+            write_rank_payload(self.payload, workdir, in_place=False),
+            channel.write_secret_file(workdir, self.secret),
+            relay,
         )
-        # Ranks talk over the interface Spark reaches this host on (unless the user chose).
-        env = {
-            **agent_plan.env,
-            **netif.node_socket_env(host, agent_plan.env),
-            **package.shipped_env(agent_plan.env),
-            **data_env,
-        }
         agent = start_agent(
-            agent_plan.argv,
-            env,
+            argv,
+            {**env, **data_env},
             workdir,
             on_stdout=_forward(client, STDOUT),
             on_stderr=_forward(client, STDERR),

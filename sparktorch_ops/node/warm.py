@@ -267,6 +267,16 @@ def start_agent(
     return AgentProcess(argv, env, cwd, on_stdout, on_stderr)
 
 
+def prestart(argv: Iterable[str], env: dict[str, str]) -> None:
+    """Start the warm process that :func:`start_agent` with this argv and environment will
+    fork from, now, without waiting for it: its imports then overlap what the launcher does
+    before it starts the agent. A no-op where warm agents are off or such a process runs; an
+    environment that turns out different later only means :func:`start_agent` replaces it."""
+    argv = list(argv)
+    if argv and warm_enabled():
+        _server_for(argv[0], import_environment(env), argv)
+
+
 def _server_for(python: str, env: dict[str, str], argv: list[str]) -> WarmServer:
     with _servers_lock:
         server = _servers.get(python)

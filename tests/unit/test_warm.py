@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import psutil
 import pytest
@@ -118,3 +119,28 @@ def test_rendezvous_polling_is_scaled_to_the_number_of_nodes(nnodes: str, expect
         check=True,
     ).stdout.strip()
     assert out == expected
+
+
+def test_a_tasks_early_warm_up_matches_the_environment_its_agent_starts_with(
+    tmp_path: Any,
+) -> None:
+    """The warm process a barrier task starts before it knows the rendezvous port (Spark
+    Connect's Python workers are not reused: none is there yet) is the one its agent then
+    forks from: same interpreter, same import environment."""
+    from sparktorch_ops.driver.planning import RunFacts, plan_run
+    from sparktorch_ops.node.task import BarrierTask
+    from sparktorch_ops.spec import LaunchSpec
+    from sparktorch_ops.wire.payload import FunctionCall
+
+    facts = RunFacts(
+        run_id="run1", python=sys.executable, channel_address="10.0.0.1:5000", cpu_count=4
+    )
+    plan = plan_run(LaunchSpec(num_processes=2, local_mode=False, use_gpu=False), "f", facts)
+    payload = FunctionCall(b"")
+    task = BarrierTask(plan=plan, secret="s", payload=payload, coordinate_in_stage=True)
+    early_argv, early_env = task._agent_command(1, "10.0.0.2", "10.0.0.3", None, "/x", "/y")
+    argv, env = task._agent_command(
+        1, "10.0.0.2", "10.0.0.3:29400", None, str(tmp_path / "p"), str(tmp_path / "s")
+    )
+    assert early_argv[0] == argv[0]
+    assert import_environment(early_env) == import_environment(env)
