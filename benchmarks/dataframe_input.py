@@ -21,7 +21,9 @@ Each rank times its epoch from the loader's creation to the last batch and repor
 those seconds, its peak RSS (``getrusage``) and RSS growth over the epoch (psutil, 10 ms);
 rank 0 returns every rank's figures (``all_gather_object`` over gloo). "wall" is the whole call
 on the driver; the ratio is wall / the floor's wall of the same round. Our runs' phases come
-from the run's phase events (``on_event``).
+from the run's phase events (``on_event``). Before every run (untimed) a trivial barrier
+training leaves a warm agent in Spark's Python workers, so no run pays a cold one because of
+what ran before it (the launch benchmark measures that).
 
     python benchmarks/dataframe_input.py --sizes 2000000,8000000 --repeats 3
 """
@@ -154,6 +156,13 @@ def count_rows(batches: Any) -> Any:
     yield pa.record_batch([pa.array([rows], pa.int64())], ["rows"])
 
 
+def warm_ranks() -> int:
+    """A trivial training: before each run, so that every run finds the barrier tasks' Python
+    workers with a warm agent (a cold one costs ~1.5 s of CPU, what the launch benchmark's
+    ``*_cold`` variants measure) whatever ran just before it."""
+    return 0
+
+
 def phases_of(marks: dict[str, float], total: float) -> dict[str, float | None]:
     """Seconds per phase of one of our runs, from the first time of each event."""
     marks = {"start": 0.0, **marks, "end": total}
@@ -266,6 +275,17 @@ def summarize(series: dict[str, Any], size: int, pyspark_samples: int) -> dict[s
     return per_size
 
 
+def warm_agents(session: Any) -> None:
+    """Untimed, before every run: Spark's Python workers kept alive, and a warm agent in the
+    ones a barrier stage gets (see :func:`warm_ranks`)."""
+    from sparktorch_ops import TorchDistributor
+
+    common.touch_python_workers(session)
+    TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=session).run(
+        warm_ranks
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -316,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             warmup=args.warmup,
             check=check,
             settle_s=args.settle,
-            before_each=lambda: common.touch_python_workers(session),
+            before_each=lambda: warm_agents(session),
         )
         df.unpersist()
         per_size = summarize(series, size, args.pyspark_samples)
@@ -375,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             "phases": [list(p) for p in PHASES],
             "results": results,
             "notes": (
+                "Before every run (untimed) a trivial 2-rank barrier training warms the agents. "
                 "wall is the whole call on the driver; '/ floor' is a run's wall over the "
                 "floor's wall in the same round (median, min-max of the rounds). The phases "
                 "of our runs are the medians of the times between the run's phase events. "
@@ -453,7 +474,49 @@ def render(doc: dict[str, Any]) -> str:
         )
         + "\n\nWhere our time goes (seconds, medians; from the run's phase events):\n\n"
         + pages.table(["rows", "variant", *phase_names], phase_rows)
+        + _render_before(doc, phase_names)
         + pages.notes(doc.get("notes"))
+    )
+
+
+def _render_before(doc: dict[str, Any], phase_names: list[str]) -> str:
+    """Before and after a change, when the JSON holds the earlier code's run of this same
+    benchmark (``before``: its label, code and results, run just before on the machine)."""
+    before = doc.get("before")
+    if not before:
+        return ""
+    rows = []
+    for size, variants in doc["results"].items():
+        earlier = before["results"].get(size, {})
+        for name, s in variants.items():
+            if name == "floor" or name not in earlier:
+                continue
+            b = earlier[name]
+            rows.append(
+                [
+                    f"{int(size):,}",
+                    f"`{name}`",
+                    f"{pages.num(b.get('ratio_vs_floor'), 2, 'x')} ({_ratio_spread(b)})",
+                    f"{pages.num(s.get('ratio_vs_floor'), 2, 'x')} ({_ratio_spread(s)})",
+                    " / ".join(
+                        pages.num((b.get("phases_median_s") or {}).get(p)) for p in phase_names
+                    ),
+                ]
+            )
+    return (
+        f"\n\nBefore ({before.get('code')}) and after ({doc.get('code')}): the same benchmark, "
+        f"run one process after the other on this machine ({before.get('note', '')}); each "
+        "ratio is to the floor of its own rounds, median (min-max).\n\n"
+        + pages.table(
+            [
+                "rows",
+                "variant",
+                "before / floor",
+                "after / floor",
+                "before: " + ", ".join(phase_names),
+            ],
+            rows,
+        )
     )
 
 
@@ -464,8 +527,14 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
     for size, variants in results.items():
         s = variants.get("ours_read", {})
         if s.get("ratio_vs_floor") is not None:
+            earlier = (doc.get("before") or {}).get("results", {}).get(size, {}).get("ours_read")
+            was = (
+                f", was {earlier['ratio_vs_floor']:.2f}x"
+                if earlier and earlier.get("ratio_vs_floor")
+                else ""
+            )
             cells.append(
-                f"{int(size) / 1e6:g}M rows: {s['ratio_vs_floor']:.2f}x ({_ratio_spread(s)})"
+                f"{int(size) / 1e6:g}M rows: {s['ratio_vs_floor']:.2f}x ({_ratio_spread(s)}{was})"
             )
     if not cells:
         return []
