@@ -122,6 +122,16 @@ def test_fewer_partitions_than_ranks_still_give_equal_shards(spark: Any) -> None
     assert sorted([len(first), len(second)]) == [150, 151]
 
 
+def test_fewer_rows_than_ranks_fail_once_the_shards_are_written(spark: Any) -> None:
+    # The agents start while the shards are written; the task stops its own when a rank of
+    # the run would get no rows.
+    from sparktorch_ops import TrainingFailedError
+
+    distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark)
+    with pytest.raises(TrainingFailedError, match="fewer rows than ranks"):
+        distributor.train_on_dataframe(ids_seen, _frame(spark, 1, 1), 4)
+
+
 def test_pyspark_name_and_bad_input_are_typed_errors(spark: Any) -> None:
     distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark)
     assert distributor._train_on_dataframe == distributor.train_on_dataframe
