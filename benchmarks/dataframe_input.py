@@ -22,8 +22,8 @@ those seconds, its peak RSS (``getrusage``) and RSS growth over the epoch (psuti
 rank 0 returns every rank's figures (``all_gather_object`` over gloo). "wall" is the whole call
 on the driver; the ratio is wall / the floor's wall of the same round. Our runs' phases come
 from the run's phase events (``on_event``). Before every run (untimed) a trivial barrier
-training leaves a warm agent in Spark's Python workers, so no run pays a cold one because of
-what ran before it (the launch benchmark measures that).
+training runs, so that no run starts the warm agent because of what ran before it (the launch
+benchmark measures cold starts); see :func:`warm_agents` for what it does not cover.
 
     python benchmarks/dataframe_input.py --sizes 2000000,8000000 --repeats 3
 """
@@ -157,9 +157,7 @@ def count_rows(batches: Any) -> Any:
 
 
 def warm_ranks() -> int:
-    """A trivial training: before each run, so that every run finds the barrier tasks' Python
-    workers with a warm agent (a cold one costs ~1.5 s of CPU, what the launch benchmark's
-    ``*_cold`` variants measure) whatever ran just before it."""
+    """A trivial training run before each timed run (see :func:`warm_agents`)."""
     return 0
 
 
@@ -276,8 +274,11 @@ def summarize(series: dict[str, Any], size: int, pyspark_samples: int) -> dict[s
 
 
 def warm_agents(session: Any) -> None:
-    """Untimed, before every run: Spark's Python workers kept alive, and a warm agent in the
-    ones a barrier stage gets (see :func:`warm_ranks`)."""
+    """Untimed, before every run: Spark's Python workers kept alive, and a trivial barrier
+    training, so that a run does not start Spark's Python workers or the warm agent because a
+    variant before it did not use them. (It is an RDD barrier stage: a ``mapInArrow`` stage
+    can still get a fresh Python worker, whose task 0 then pays ``import torch`` for the
+    rendezvous store; the phases show it as a slower "shards" or "ranks start".)"""
     from sparktorch_ops import TorchDistributor
 
     common.touch_python_workers(session)
