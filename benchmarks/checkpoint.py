@@ -22,6 +22,13 @@ Three parts, each on a temporary directory on local disk (deleted at the end):
   cores / 2, what a rank of a 2-rank local run gets) and on 2 DDP ranks. The per-epoch
   overhead assumes the pipeline's epoch: 1200-1800 rows over 2 ranks at batch 64, i.e.
   10-15 steps per rank (``--epoch-steps``).
+- **Epochs, saving or not**: the same model on 2 DDP ranks trains ``--epoch-rounds`` rounds of
+  ``--epochs`` epochs of ``--epoch-length`` steps per rank under each of three variants,
+  alternating round by round (the order rotated): no checkpoint, ``save(...)`` at the end of
+  every epoch, and ``save(..., blocking=False)`` (written in the background while the next
+  epoch trains). A round's time runs from a barrier to the last save committed (``wait()``),
+  then a barrier. The overhead is each round's time over the same round's no-checkpoint
+  time, then the median (and min-max) over rounds.
 
 Sizes are MiB (2**20 bytes); MiB/s is the state's size over the time. Loads read files that
 the save just wrote, so they come from the page cache; saves ``fsync`` their files (DCP's
@@ -226,6 +233,20 @@ def summarize(mib: int, samples: list[dict[str, Any]], tensors: int) -> dict[str
 
 
 # -- two ranks -----------------------------------------------------------------------------
+def two_local_ranks(directory: str, timeout: float) -> Any:
+    """The distributor of every 2-rank part: local mode, CPU, ``directory`` as checkpoint_dir."""
+    from sparktorch_ops import TorchDistributor
+
+    return TorchDistributor(
+        num_processes=2,
+        local_mode=True,
+        use_gpu=False,
+        checkpoint_dir=directory,
+        logger=common.quiet_logger(),
+        timeout=timeout,
+    )
+
+
 def rank_sizes(sizes: list[int], repeats: int, chunk_mib: int) -> Any:
     """On every rank: DDP-replicated states of each size, save/load timed per rank."""
     import torch.distributed as dist
@@ -285,18 +306,9 @@ def two_ranks(
     sizes: list[int], repeats: int, chunk_mib: int, root: str, timeout: float
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run :func:`rank_sizes` on 2 local ranks; (first-call figures, results by size)."""
-    from sparktorch_ops import TorchDistributor
-
     directory = os.path.join(root, "ranks")
     os.makedirs(directory)
-    ranks = TorchDistributor(
-        num_processes=2,
-        local_mode=True,
-        use_gpu=False,
-        checkpoint_dir=directory,
-        logger=common.quiet_logger(),
-        timeout=timeout,
-    ).run(rank_sizes, sizes, repeats, chunk_mib)
+    ranks = two_local_ranks(directory, timeout).run(rank_sizes, sizes, repeats, chunk_mib)
     if not isinstance(ranks, list) or len(ranks) != 2:
         raise AssertionError(f"expected two ranks' figures, got {ranks!r:.200}")
     ranks.sort(key=lambda r: r["rank"])
@@ -394,6 +406,109 @@ def cnn_figures(example: str, steps: int, warmup: int, saves: int, directory: st
             dist.destroy_process_group()
 
 
+EPOCH_VARIANTS = ("no checkpoint", "save every epoch", "save every epoch, blocking=False")
+
+
+def epoch_rounds(example: str, epoch_length: int, epochs: int, rounds: int, idle_s: float) -> Any:
+    """On every rank: rounds of ``epochs`` epochs per variant; rank 0's seconds per round.
+    ``idle_s``: a sleep after every step, the CPU left idle as while a GPU computes."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from sparktorch_ops.checkpoint import TrainingState, checkpoint_dir, save, wait
+
+    dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(load_example(example).DigitsCNN())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        x = torch.randn(BATCH * epoch_length, 1, 8, 8)
+        y = torch.randint(0, 10, (BATCH * epoch_length,))
+        root = checkpoint_dir()
+        assert root is not None
+        losses: list[float] = []
+        seconds: dict[str, list[float]] = {name: [] for name in EPOCH_VARIANTS}
+        step = 0
+        for index in range(rounds + 1):  # round 0 warms up and is not counted
+            order = EPOCH_VARIANTS[index % 3 :] + EPOCH_VARIANTS[: index % 3]
+            for name in order:
+                directory = os.path.join(root, f"epochs-{EPOCH_VARIANTS.index(name)}")
+                dist.barrier()
+                started = time.perf_counter()
+                for _epoch in range(epochs):
+                    for batch in range(epoch_length):
+                        lo = batch * BATCH
+                        optimizer.zero_grad()
+                        loss = F.cross_entropy(model(x[lo : lo + BATCH]), y[lo : lo + BATCH])
+                        loss.backward()
+                        optimizer.step()
+                        if idle_s:
+                            time.sleep(idle_s)
+                    losses.append(float(loss.detach()))
+                    if name != EPOCH_VARIANTS[0]:
+                        state = TrainingState(model, optimizer, losses=losses)
+                        blocking = name == EPOCH_VARIANTS[1]
+                        save(state, step, directory=directory, blocking=blocking)
+                        step += 1
+                wait()
+                dist.barrier()
+                if index > 0:
+                    seconds[name].append(time.perf_counter() - started)
+        return {"seconds": seconds, "threads": torch.get_num_threads()}
+    finally:
+        dist.destroy_process_group()
+
+
+def epochs_part(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    """:func:`epoch_setting` with CPU-bound steps, then with ``--idle-ms`` after each."""
+    settings = [epoch_setting(args, root, 0.0)]
+    if args.idle_ms:
+        settings.append(epoch_setting(args, root, args.idle_ms))
+    return {"settings": settings}
+
+
+def epoch_setting(args: argparse.Namespace, root: str, idle_ms: float) -> dict[str, Any]:
+    """Run :func:`epoch_rounds` on 2 local ranks; per variant its round times and overhead."""
+    directory = os.path.join(root, f"epochs-idle-{idle_ms:g}")
+    os.makedirs(directory)
+    figures = two_local_ranks(directory, args.timeout).run(
+        epoch_rounds,
+        str(EXAMPLE),
+        args.epoch_length,
+        args.epochs,
+        args.epoch_rounds,
+        idle_ms / 1000,
+    )
+    seconds = figures["seconds"]
+    base = seconds[EPOCH_VARIANTS[0]]
+    variants: dict[str, Any] = {}
+    for name in EPOCH_VARIANTS:
+        per_round = [s / args.epochs for s in seconds[name]]
+        ratios = [s / b for s, b in zip(seconds[name], base, strict=True)]
+        variants[name] = {
+            "epoch_median_s": median(per_round),
+            "epoch_min_s": min(per_round),
+            "epoch_max_s": max(per_round),
+            "over_none_median": median(ratios),
+            "over_none_min": min(ratios),
+            "over_none_max": max(ratios),
+            "round_s": seconds[name],
+        }
+        log(
+            f"epochs (idle {idle_ms:g} ms per step), {name}: {median(per_round):.3f} s per epoch, "
+            f"{median(ratios):.3f}x no checkpoint ({min(ratios):.3f}-{max(ratios):.3f})"
+        )
+    return {
+        "idle_ms_per_step": idle_ms,
+        "epoch_length": args.epoch_length,
+        "epochs_per_round": args.epochs,
+        "rounds": args.epoch_rounds,
+        "torch_threads": figures["threads"],
+        "variants": variants,
+    }
+
+
 def overhead(step_s: float | None, save_s: float | None, epoch_steps: list[int]) -> dict[str, Any]:
     """save / step, and a save's share of an epoch of each length (one save per epoch)."""
     per_epoch = {
@@ -429,18 +544,11 @@ def save_vs_step(args: argparse.Namespace, root: str) -> dict[str, Any]:
         }
     }
     if args.ranks:
-        from sparktorch_ops import TorchDistributor
-
         directory = os.path.join(root, "cnn-ranks")
         os.makedirs(directory)
-        ranks = TorchDistributor(
-            num_processes=2,
-            local_mode=True,
-            use_gpu=False,
-            checkpoint_dir=directory,
-            logger=common.quiet_logger(),
-            timeout=args.timeout,
-        ).run(cnn_figures, str(EXAMPLE), args.steps, args.warmup_steps, args.saves, None)
+        ranks = two_local_ranks(directory, args.timeout).run(
+            cnn_figures, str(EXAMPLE), args.steps, args.warmup_steps, args.saves, None
+        )
         ranks.sort(key=lambda r: r["rank"])
         # A DDP step and a collective save end together on both ranks: take the slower rank.
         step_max = [max(s) for s in zip(*(r["step_s"] for r in ranks), strict=True)]
@@ -503,6 +611,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-ranks", dest="ranks", action="store_false", help="skip the 2-rank runs"
     )
+    parser.add_argument(
+        "--epoch-length", type=int, default=15, help="steps per rank per epoch (epochs part)"
+    )
+    parser.add_argument("--epochs", type=int, default=10, help="epochs per round (epochs part)")
+    parser.add_argument(
+        "--epoch-rounds", type=int, default=7, help="rounds per variant (epochs part)"
+    )
+    parser.add_argument(
+        "--idle-ms",
+        type=float,
+        default=5.0,
+        help="epochs part, second setting: ms of sleep after each step (the CPU idle while a "
+        "GPU computes); 0 skips it",
+    )
     parser.add_argument("--tmpdir", default=None, help="where the temporary directory goes")
     parser.add_argument("--timeout", type=float, default=1800, help="per 2-rank run, seconds")
     parser.add_argument("--name", default=NAME, help="results file name")
@@ -512,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         args.sizes = QUICK_SIZES if args.sizes == parser.get_default("sizes") else args.sizes
         args.repeats = min(args.repeats, 2)
         args.steps, args.warmup_steps, args.saves = 50, 5, 5
+        args.epochs, args.epoch_rounds = 3, 2
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     args.epoch_steps = [int(s) for s in args.epoch_steps.split(",") if s.strip()]
 
@@ -527,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
             first_ranks, ranks = two_ranks(sizes, args.repeats, args.chunk_mib, root, args.timeout)
         log("save vs training step: DigitsCNN")
         cnn = save_vs_step(args, root)
+        epochs = epochs_part(args, root) if args.ranks else None
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -659,6 +783,7 @@ def main(argv: list[str] | None = None) -> int:
         "two_ranks": ranks,
         "two_ranks_first_call": first_ranks,
         "save_vs_step": cnn,
+        "epochs": epochs,
         "assumptions": {
             "epoch_steps_per_rank": args.epoch_steps,
             "epoch": "1200-1800 rows per epoch over 2 ranks, batch 64: 10-15 steps per rank",
@@ -855,6 +980,38 @@ def render(doc: dict[str, Any]) -> str:
             "save adds to the time of N training steps per rank; data loading and the rest of an "
             "epoch are not counted, so the real share is smaller."
         )
+    settings = (doc.get("epochs") or {}).get("settings") or []
+    if settings:
+        first = settings[0]
+        rows = [
+            [
+                "CPU-bound"
+                if not setting.get("idle_ms_per_step")
+                else f"+{setting['idle_ms_per_step']:g} ms idle per step",
+                name,
+                pages.num(v.get("epoch_median_s"), 3),
+                f"{pages.num(v.get('epoch_min_s'), 3)}-{pages.num(v.get('epoch_max_s'), 3)}",
+                pages.num(v.get("over_none_median"), 3, "x"),
+                f"{pages.num(v.get('over_none_min'), 3)}-{pages.num(v.get('over_none_max'), 3)}",
+            ]
+            for setting in settings
+            for name, v in setting.get("variants", {}).items()
+        ]
+        out.append(
+            "**Epochs, saving or not** (measured): `DigitsCNN` on 2 DDP ranks (local mode, "
+            f"{first.get('torch_threads')} torch thread per rank), epochs of "
+            f"{first.get('epoch_length')} steps per rank, {first.get('rounds')} rounds of "
+            f"{first.get('epochs_per_round')} epochs per variant, the variants alternating "
+            "round by round (after a round not counted); a round ends when its last save "
+            "committed. *vs no checkpoint*: each round's time over the same round's without "
+            "a checkpoint, median (min-max). *CPU-bound*: the 2 ranks keep both cores busy, so "
+            "a background write takes its CPU from training; *idle per step*: a sleep after "
+            "each step leaves the CPU free part of the time, as while a GPU computes.\n\n"
+            + pages.table(
+                ["steps", "variant", "epoch s", "min-max s", "vs no checkpoint", "min-max"],
+                rows,
+            )
+        )
     return "\n\n".join(out) + pages.notes(doc.get("notes"))
 
 
@@ -876,6 +1033,30 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
                 "-",
             ]
         )
+    settings = (doc.get("epochs") or {}).get("settings") or []
+    if settings:
+        figures = []
+        for setting in settings:
+            variants = setting.get("variants") or {}
+            idle = setting.get("idle_ms_per_step")
+            figures.append(
+                ("CPU-bound: " if not idle else f"{idle:g} ms idle per step: ")
+                + "; ".join(
+                    pages.num(variants[name].get("over_none_median"), 2, "x")
+                    for name in EPOCH_VARIANTS[1:]
+                    if name in variants
+                )
+            )
+        rows.append(
+            [
+                "checkpoint every epoch, example DigitsCNN, 2 ranks, "
+                f"{settings[0].get('epoch_length')} steps per epoch",
+                "epoch time with the save / without (blocking; blocking=False)",
+                " / ".join(figures),
+                "<= 1.05x with blocking=False (not met)",
+            ]
+        )
+        return rows
     cnn = doc.get("save_vs_step", {}).get("two_ranks")
     steps = doc.get("assumptions", {}).get("epoch_steps_per_rank") or []
     growth = (cnn or {}).get("epoch_with_save_over_without") or {}

@@ -70,7 +70,7 @@ def commands(repeats: int, memory_runs: int) -> dict[str, list[str]]:
         "throughput": [py, str(BENCH_DIR / "throughput.py")],
         # paired sessions (--sessions, its own default), not --repeats
         "fork_ab": [py, str(BENCH_DIR / "fork_ab.py")],
-        "dataframe_input": [py, str(BENCH_DIR / "dataframe_input.py"), "--repeats=1"],
+        "dataframe_input": [py, str(BENCH_DIR / "dataframe_input.py"), "--repeats=3"],
         "checkpoint": [py, str(BENCH_DIR / "checkpoint.py"), f"--repeats={repeats}"],
         "connect_launch": [py, str(BENCH_DIR / "connect_launch.py"), f"--repeats={repeats}"],
         "airflow_scheduler": [py, str(BENCH_DIR / "airflow_scheduler.py"), "--repeats=2"],
@@ -131,8 +131,7 @@ def render_summary(docs: dict[str, dict[str, Any]]) -> str:
         {
             str(d["repeats"])
             for name, d in docs.items()
-            # dataframe_input is not in this table; checkpoint's and throughput's rows state
-            # their own
+            # checkpoint's, throughput's and dataframe_input's rows state their own
             if "repeats" in d and name not in ("dataframe_input", "checkpoint", "throughput")
         }
     )
@@ -163,7 +162,7 @@ tables give medians and ratios. The jobs run 2 ranks with gloo on CPU unless sta
 | memory | `memory.py` | the driver's RSS over 20 local runs in a row, in a fresh process: what a run adds, and whether it keeps growing |
 | throughput | `throughput.py` | a small CNN, DDP, fixed steps: samples/s (rank 0, steady state) of bare torchrun vs ours, with ranks forked (the default; function and script), with `--start-method=spawn` and with the warm agent off, in paired rounds with a bootstrap CI per ratio; per-step times, page faults, context switches, gc and threads inside the ranks |
 | forked vs fresh rank | `fork_ab.py` | one step of ours' rank and one of a bare torchrun rank in turn (FIFO token, same CPU), same CNN single-threaded: per-step speed ratio with a bootstrap CI; the control pairs bare torchrun with itself |
-| DataFrame input | `dataframe_input.py` | rows/s each rank gets from a 2M-4M row x 32 float32 DataFrame (`train_on_dataframe`, barrier mode) and its peak RSS: our `partition_loader` and our `get_spark_partition_data_loader` vs pyspark's `_get_spark_partition_data_loader` |
+| DataFrame input | `dataframe_input.py` | `train_on_dataframe` on a 2M and an 8M row x 32 float32 DataFrame (barrier mode), ranks reading every batch with `partition_loader` or nothing, next to one Spark pass over the rows as Arrow (the floor) and pyspark's `_train_on_dataframe`; where our time goes, phase by phase; rows/s and peak RSS per rank |
 | checkpoint | `checkpoint.py` | `sparktorch_ops.checkpoint` (`save` / `load_latest` on torch.distributed.checkpoint) of 100 MiB and 1000 MiB states: in one process next to `torch.save` / `torch.load`, and on 2 DDP ranks; and a save of the example's `DigitsCNN` next to one training step, as a share of an epoch |
 | sweep DAG | `sweep_dag.py` | `dags/sweep_digits.py` (three mapped trainings) under the real scheduler with the LocalExecutor's parallelism at 1 and at 3: the run's wall time |
 | several runs at once | `concurrency.py` | three 1-rank barrier runs on one `local[4]` session, from three threads at once vs one after another: wall time of all three |

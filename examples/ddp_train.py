@@ -120,7 +120,13 @@ def _fit(
         if dist.get_rank() == 0:
             print(f"epoch {epoch}: loss {losses[-1]:.4f}", flush=True)
         if checkpoints is not None:
-            checkpoints.save(checkpoints.TrainingState(model, optimizer, losses=losses), epoch)
+            # Written in the background while the next epoch trains; the function's end
+            # (and destroy_process_group) waits for it.
+            checkpoints.save(
+                checkpoints.TrainingState(model, optimizer, losses=losses),
+                epoch,
+                blocking=False,
+            )
     accuracy = None
     if test is not None:
         with torch.no_grad():

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparktorch_ops.errors import (
     ChannelError,
+    CheckpointError,
     ConfigError,
     ResourceError,
     ResultTooLargeError,
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ChannelError",
+    "CheckpointError",
     "ConfigError",
     "DeepspeedTorchDistributor",
     "MetricRecord",

@@ -30,6 +30,15 @@ Guarantees:
   pruned (the newest ``keep`` committed ones stay; other files under the directory are never
   touched). A step is written once: saving a committed step again raises
   :class:`~sparktorch_ops.errors.ConfigError`.
+* ``save(state, step, blocking=False)`` returns once the state is copied (to CPU memory) and
+  writes, commits and prunes in a background thread while training goes on, with the same
+  guarantees: its collectives run on a process group of their own (gloo), so they never
+  interleave with the training's. At most one save is in flight per rank: the next
+  :func:`save`, :func:`load_latest`, :func:`wait`, ``torch.distributed.destroy_process_group``
+  and the end of the training function first wait for it. A background failure is raised
+  there as :class:`~sparktorch_ops.errors.CheckpointError` (naming the rank and the step), so
+  it fails the run; it is also written to the rank's stderr when it happens. A rank killed
+  while a save is in flight leaves that step uncommitted: a restart resumes the one before.
 * Checkpoints reshard: each rank writes only its own shards (FSDP2 ``DTensor``\\ s) and the
   metadata records global shapes, so a checkpoint written by N ranks loads on M ranks, or in
   one plain process.
@@ -62,11 +71,12 @@ import os
 import re
 import shutil
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.errors import CheckpointError, ConfigError
 from sparktorch_ops.wire.env import CHECKPOINT_DIR_ENV, WARM_START_ENV
 
 if TYPE_CHECKING:
@@ -84,6 +94,7 @@ __all__ = [
     "load_latest",
     "save",
     "step_dir_name",
+    "wait",
     "warm_start",
 ]
 
@@ -288,11 +299,11 @@ class _Group:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             yield
 
-    def barrier(self) -> None:
+    def barrier(self, process_group: Any = None) -> None:
         if self.initialized and self.world > 1:
             import torch.distributed as dist
 
-            dist.barrier()
+            dist.barrier(group=process_group)
 
 
 def _announce(text: str, log: logging.Logger | None) -> None:
@@ -508,33 +519,42 @@ def save(
     *,
     keep: int = 3,
     directory: str | None = None,
+    blocking: bool = True,
 ) -> str:
     """Save ``state`` as the checkpoint of ``step``; every rank must call it.
 
     Each rank writes its own shards into ``<dir>/step-<step:09d>/`` with DCP; rank 0 then
     writes the ``COMMITTED`` marker, deletes committed checkpoints beyond the newest ``keep``
     and uncommitted step directories older than the newest committed one. Returns on every rank
-    once all of that is done. A leftover uncommitted directory of the same step (a crash in an
-    earlier save) is deleted first.
+    once all of that is done, or, with ``blocking=False``, once the state is copied: the rest
+    runs in the background (see the module docstring; :func:`wait` waits for it). A leftover
+    uncommitted directory of the same step (a crash in an earlier save) is deleted first. A
+    save still in flight is waited for first.
 
     Args:
         state: a :class:`TrainingState` or a dict (see the module docstring).
         step: the step (or epoch) this checkpoint ends; :func:`load_latest` returns it.
         keep: how many committed checkpoints to keep, at least 1.
         directory: the checkpoint directory (default: :func:`checkpoint_dir`).
+        blocking: False to write in the background while training goes on.
 
     Returns:
-        The step directory (a path, or a URL for an fsspec URL directory).
+        The step directory (a path, or a URL for an fsspec URL directory); with
+        ``blocking=False`` it counts once the background save committed it.
 
     Raises:
-        ConfigError: no directory is set, ``step`` or ``keep`` is invalid, ``step`` is already
-            committed, the state is not a TrainingState or dict, or ``WORLD_SIZE`` > 1 without
-            an initialized process group.
+        ConfigError: no directory is set, ``step``, ``keep`` or ``blocking`` is invalid,
+            ``step`` is already committed, the state is not a TrainingState or dict, or
+            ``WORLD_SIZE`` > 1 without an initialized process group.
+        CheckpointError: the previous save, written in the background, failed.
     """
     import torch.distributed.checkpoint as dcp
 
     _check_int("step", step, 0)
     _check_int("keep", keep, 1)
+    if not isinstance(blocking, bool):
+        raise ConfigError("blocking", f"must be True or False, got {blocking!r}")
+    wait()
     location = _location(directory)
     converted = _to_dcp(state)
     group = _Group()
@@ -553,8 +573,19 @@ def save(
             f"step {step} is already checkpointed at {location.url(name)}; save each step once "
             "(resume from load_latest()'s step + 1)",
         )
+    if not blocking:
+        _save_in_background(converted, location, step, keep, group)
+        return location.url(name)
     with group.quiet():
         dcp.save(converted, storage_writer=location.writer(name), no_dist=group.no_dist)
+    _commit(location, step, keep, group)
+    return location.url(name)
+
+
+def _commit(
+    location: _Location, step: int, keep: int, group: _Group, process_group: Any = None
+) -> None:
+    """Rank 0 writes the marker and prunes; every rank returns once that is done."""
     if group.rank == 0:
         marker = {
             "step": step,
@@ -562,10 +593,146 @@ def save(
             "time": datetime.datetime.now(datetime.UTC).isoformat(),
             "torch": _torch_version(),
         }
-        location.write_file(json.dumps(marker).encode(), name, COMMIT_MARKER)
+        location.write_file(json.dumps(marker).encode(), step_dir_name(step), COMMIT_MARKER)
         _prune(location, keep)
-    group.barrier()
-    return location.url(name)
+    group.barrier(process_group)
+
+
+# -- saves in the background ---------------------------------------------------------------------
+class _BackgroundSave:
+    """This rank's one save in flight: its thread, and its failure once it ended."""
+
+    def __init__(self, rank: int, step: int, url: str) -> None:
+        self.rank = rank
+        self.step = step
+        self.url = url
+        self.error: CheckpointError | None = None
+        self.thread: threading.Thread | None = None
+
+
+_in_flight: list[_BackgroundSave] = []  # at most one; a list so no `global` is needed
+_in_flight_lock = threading.Lock()
+# (the default process group, the group of background saves created from it)
+_background_groups: list[tuple[Any, Any]] = []
+
+
+def wait() -> str | None:
+    """Wait for this rank's save in flight (``save(..., blocking=False)``) to commit.
+
+    Called by the next save, :func:`load_latest`, ``destroy_process_group`` and at the end of
+    the training function; call it where the checkpoint must exist, e.g. before reading it.
+    Only this rank waits (no collective).
+
+    Returns:
+        The step directory of the save waited for, None when none was in flight.
+
+    Raises:
+        CheckpointError: the background save failed (its error is the ``__cause__``).
+    """
+    with _in_flight_lock:
+        pending = _in_flight.pop() if _in_flight else None
+    if pending is None:
+        return None
+    if pending.thread is not None:
+        pending.thread.join()
+    if pending.error is not None:
+        raise pending.error
+    return pending.url
+
+
+def _save_in_background(
+    converted: Mapping[str, Any], location: _Location, step: int, keep: int, group: _Group
+) -> None:
+    """Copy the state now; write, commit and prune it in a thread."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    process_group = _background_group(group)
+    name = step_dir_name(step)
+    flat = {
+        key: value.state_dict() if isinstance(value, _ModuleState | _OptimizerState) else value
+        for key, value in converted.items()
+    }
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        staged = stager.stage(flat)  # a deep copy on CPU: training may change the state now
+    finally:
+        stager.close()
+    if group.no_dist:
+        # DCP says so on every save of one plain process; from a thread, catch_warnings races.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+    pending = _BackgroundSave(group.rank, step, location.url(name))
+
+    def write() -> None:
+        try:
+            dcp.save(
+                staged,
+                storage_writer=location.writer(name),
+                process_group=process_group,
+                no_dist=group.no_dist,
+            )
+            _commit(location, step, keep, group, process_group)
+        except BaseException as exc:
+            pending.error = CheckpointError(pending.rank, step, pending.url, _describe(exc))
+            pending.error.__cause__ = exc
+            _announce(f"{pending.error}; the run fails at the next save, wait() or its end", None)
+
+    pending.thread = threading.Thread(target=write, name=f"checkpoint-save-{step}", daemon=True)
+    _wait_before_destroying_process_groups()
+    with _in_flight_lock:
+        _in_flight.append(pending)
+    pending.thread.start()
+
+
+def _describe(exc: BaseException) -> str:
+    """One line per failure: DCP's CheckpointException holds every rank's error, traceback
+    included, in its text."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(
+            f"{type(error).__name__}: {error} (on rank {rank})"
+            for rank, (error, _trace) in sorted(failures.items())
+        )
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _background_group(group: _Group) -> Any:
+    """The gloo group background saves use, made once per default process group."""
+    if group.no_dist:
+        return None
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    for known, made in _background_groups:
+        if known is world:
+            return made
+    made = dist.new_group(backend="gloo")  # a collective: every rank saves at the same point
+    _background_groups[:] = [(world, made)]
+    return made
+
+
+def _wait_before_destroying_process_groups() -> None:
+    """Make ``torch.distributed.destroy_process_group`` wait for the save in flight first:
+    training code calls it at its end, and it would tear down the background save's group."""
+    import functools
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.destroy_process_group
+    if getattr(original, "_waits_for_checkpoints", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> None:
+        try:
+            wait()
+        finally:
+            original(*args, **kwargs)
+
+    destroy_process_group._waits_for_checkpoints = True  # type: ignore[attr-defined]
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
 
 
 def _torch_version() -> str:
@@ -614,9 +781,11 @@ def load_latest(
     Raises:
         ConfigError: no directory is set, the state is invalid, ``WORLD_SIZE`` > 1 without an
             initialized process group, or the warm start source is unusable.
+        CheckpointError: a save written in the background failed.
     """
     import torch.distributed.checkpoint as dcp
 
+    wait()
     location = _location(directory)
     converted = _to_dcp(state)
     group = _Group()

@@ -93,6 +93,32 @@ class ResultTooLargeError(ChannelError):
         return (type(self), (self.size, self.limit, self.setting, self.exact))
 
 
+class CheckpointError(SparkTorchError):
+    """A checkpoint written in the background (``save(..., blocking=False)``) failed.
+
+    Raised on the rank by the next ``save``, ``checkpoint.wait()``, ``load_latest`` or the end
+    of the training function, so the run fails with it.
+
+    Attributes:
+        rank: the rank whose save failed.
+        step: the step being saved.
+        directory: the step directory (path or URL) being written.
+        cause: the original error, as text.
+    """
+
+    def __init__(self, rank: int, step: int, directory: str, cause: str) -> None:
+        self.rank = rank
+        self.step = step
+        self.directory = directory
+        self.cause = cause
+        super().__init__(
+            f"rank {rank}: the background save of step {step} to {directory} failed: {cause}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.rank, self.step, self.directory, self.cause))
+
+
 class TrainingFailedError(SparkTorchError):
     """One or more ranks failed.
 

@@ -10,16 +10,24 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sparktorch_ops.errors import ConfigError, SparkTorchError
-from sparktorch_ops.wire.env import DATA_DIR_ENV, DATA_FILE_ENV, EPOCH_ROWS_ENV, SCHEMA_FILE_ENV
+from sparktorch_ops.wire.env import (
+    DATA_DIR_ENV,
+    DATA_FILE_ENV,
+    EPOCH_ROWS_ENV,
+    EPOCH_ROWS_FILE_ENV,
+    SCHEMA_FILE_ENV,
+)
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
 SCHEMA_FILE_NAME = "schema.json"
+EPOCH_ROWS_FILE_NAME = "epoch-rows"
 # What a Spark ML vector (pyspark.ml.linalg.VectorUDT.sqlType()) is in Arrow.
 _VECTOR_FIELDS = ("type", "size", "indices", "values")
 
@@ -149,6 +157,38 @@ def write_schema_file(spark_schema_json: str, directory: str) -> str:
 def epoch_rows(shard_sizes: Iterable[int]) -> int:
     """The rows every rank yields per epoch: the largest shard (0 for no shards)."""
     return max(shard_sizes, default=0)
+
+
+def epoch_rows_path(directory: str) -> str:
+    """Where :func:`write_epoch_rows` puts the rows per epoch in a shard directory."""
+    return os.path.join(directory, EPOCH_ROWS_FILE_NAME)
+
+
+def write_epoch_rows(directory: str, rows: int) -> str:
+    """Hand the ranks of a node the rows per epoch, once every task wrote its shards: the
+    file appears whole (written beside, then renamed) so a rank never reads half of it."""
+    path = epoch_rows_path(directory)
+    partial = f"{path}.partial"
+    with open(partial, "w", encoding="utf-8") as fp:
+        fp.write(str(int(rows)))
+    os.replace(partial, path)
+    return path
+
+
+def wait_for_epoch_rows(environ: MutableMapping[str, str], poll_s: float = 0.005) -> None:
+    """In a rank, before it connects: when the shards are still being written
+    (:data:`EPOCH_ROWS_FILE_ENV`), wait for the rows per epoch and set :data:`EPOCH_ROWS_ENV`.
+
+    There is no limit here: the task that writes the shards stops the agent (and so this
+    process) when the data cannot be laid out, and the driver's ``start_timeout`` holds.
+    """
+    path = environ.pop(EPOCH_ROWS_FILE_ENV, None)
+    if path is None:
+        return
+    while not os.path.exists(path):
+        time.sleep(poll_s)
+    with open(path, encoding="utf-8") as fp:
+        environ[EPOCH_ROWS_ENV] = str(int(fp.read().strip()))
 
 
 def select_rank_shard(environ: MutableMapping[str, str]) -> None:

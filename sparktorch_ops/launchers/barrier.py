@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import logging
 import re
 import threading
 import time
@@ -11,13 +12,16 @@ from typing import TYPE_CHECKING
 
 from sparktorch_ops.errors import SparkJobKilledError
 from sparktorch_ops.node.task import STAGE_DDL, BarrierTask, TaskReport, stage_row_item, stage_rows
-from sparktorch_ops.spark.dataframe import PreparedInput
+from sparktorch_ops.spark.dataframe import PreparedInput, barrier_refused
 from sparktorch_ops.spark.shipping import ship_package
 from sparktorch_ops.wire.payload import Payload
 from sparktorch_ops.wire.plan import RunPlan
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
+
+
+_log = logging.getLogger(__name__)
 
 
 class BarrierLauncher:
@@ -110,7 +114,20 @@ class BarrierLauncher:
             num_tasks = plan.layout.num_tasks
             if self._data is not None:
                 frame = self._data.laid_out(num_tasks)
-                rows = frame.mapInArrow(stage_rows(self._task), STAGE_DDL, barrier=True).collect()
+                try:
+                    rows = frame.mapInArrow(
+                        stage_rows(self._task), STAGE_DDL, barrier=True
+                    ).collect()
+                except Exception as exc:
+                    # Read as it is, the input's lineage may be one a barrier stage cannot
+                    # hold: Spark refuses it before any task runs; lay it out by a shuffle.
+                    if frame is not self._data.dataframe or not barrier_refused(exc):
+                        raise
+                    _log.debug("the barrier stage cannot read the input as it is: %s", exc)
+                    frame = self._data.laid_out(num_tasks, shuffle=True)
+                    rows = frame.mapInArrow(
+                        stage_rows(self._task), STAGE_DDL, barrier=True
+                    ).collect()
                 items = [stage_row_item(row.asDict())[1] for row in rows]
                 return [item for item in items if isinstance(item, TaskReport)]
             rdd = sc.parallelize(range(num_tasks), num_tasks).barrier()

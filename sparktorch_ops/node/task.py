@@ -9,6 +9,7 @@ driver closes the channel (cancel, timeout, a failed rank elsewhere, or a dead d
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -22,13 +23,26 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from sparktorch_ops.data.shards import ShardFile, shard_name, write_schema_file, write_shards
+from sparktorch_ops.data.shards import (
+    ShardFile,
+    epoch_rows_path,
+    shard_name,
+    write_epoch_rows,
+    write_schema_file,
+    write_shards,
+)
 from sparktorch_ops.node import netif, package
 from sparktorch_ops.node.process import marked_processes, terminate_processes
 from sparktorch_ops.node.relay import Relay, RelayedFrame
 from sparktorch_ops.node.warm import after_run, prestart, start_agent
 from sparktorch_ops.wire import channel
-from sparktorch_ops.wire.env import DATA_DIR_ENV, EPOCH_ROWS_ENV, RUN_ID_ENV, SCHEMA_FILE_ENV
+from sparktorch_ops.wire.env import (
+    DATA_DIR_ENV,
+    EPOCH_ROWS_ENV,
+    EPOCH_ROWS_FILE_ENV,
+    RUN_ID_ENV,
+    SCHEMA_FILE_ENV,
+)
 from sparktorch_ops.wire.messages import (
     DATA,
     RDZV,
@@ -198,7 +212,18 @@ class BarrierTask:
         try:
             data_env: dict[str, str] = {}
             shard_rows: list[int] | None = None
-            if self.data_schema is not None:
+            # Told the layout by the driver, the task starts its agent first and writes the
+            # shards while the agent and its ranks start (they wait for the rows per epoch);
+            # tasks that agree among themselves write first (they share the sizes then).
+            streamed = self.data_schema is not None and not self.coordinate_in_stage
+            feed: Callable[[], None] | None = None
+            if streamed:
+                assert self.data_schema is not None
+                data_env = streamed_shard_env(workdir, self.data_schema)
+                feed = functools.partial(
+                    self._feed, client, partition, workdir, len(node_plan.ranks)
+                )
+            elif self.data_schema is not None:
                 shards = _write_shards(partition, workdir, len(node_plan.ranks))
                 shard_rows = [shard.rows for shard in shards]
                 client.send_message(ShardSizes(rows=shard_rows))
@@ -222,7 +247,7 @@ class BarrierTask:
                     ctx, port_message, shard_rows, relay is not None
                 )
             else:
-                port, epoch_rows = self._from_driver(client, port_message)
+                port, epoch_rows = self._from_driver(client, port_message, data=not streamed)
             if epoch_rows is not None:
                 data_env[EPOCH_ROWS_ENV] = str(epoch_rows)
             endpoint = channel.join_address(hosts[0], port)
@@ -230,7 +255,7 @@ class BarrierTask:
             # classic session; a relaying task needs the tasks to do both themselves.
             stop = StopSignal(store, hosts[0], port, self.plan.run_id) if anyone_relays else None
             code = self._run_agent(
-                client, node, hosts[node], endpoint, gpus, workdir, data_env, relay, stop
+                client, node, hosts[node], endpoint, gpus, workdir, data_env, relay, stop, feed
             )
             if stop is not None:
                 if code != 0:
@@ -241,6 +266,7 @@ class BarrierTask:
             return TaskReport(node, hosts[node], code, unreachable=unreachable), relay
         except channel.ChannelError as exc:  # the driver stopped the run before it started
             return TaskReport(node, hosts[node], None, str(exc), unreachable), relay
+
         finally:
             client.close()
             del store
@@ -248,12 +274,12 @@ class BarrierTask:
                 relay.close()
 
     def _from_driver(
-        self, client: channel.ChannelClient, own: RendezvousPort | None
+        self, client: channel.ChannelClient, own: RendezvousPort | None, data: bool = True
     ) -> tuple[int, int | None]:
-        """The rendezvous port (task 0 has its ``own``) and, with DataFrame input, the rows
-        per epoch, from the driver."""
+        """The rendezvous port (task 0 has its ``own``) and, with DataFrame input and
+        ``data``, the rows per epoch, from the driver."""
         wanted = {RDZV} if own is None else set()
-        if self.data_schema is not None:
+        if self.data_schema is not None and data:
             wanted.add(DATA)
         port, epoch_rows = (own.port or 0) if own is not None else 0, None
         while wanted:
@@ -272,6 +298,23 @@ class BarrierTask:
                 raise channel.ChannelError(f"expected the run's layout, got frame {kind}")
             wanted.discard(kind)
         return port, epoch_rows
+
+    def _feed(
+        self, client: channel.ChannelClient, partition: Iterable[Any], workdir: str, ranks: int
+    ) -> None:
+        """With the agent started: write the task's shards, report their sizes, and once the
+        driver has every task's, hand the ranks the rows per epoch (the file they wait for)."""
+        shards = _write_shards(partition, workdir, ranks)
+        client.send_message(ShardSizes(rows=[shard.rows for shard in shards]))
+        kind, payload = client.recv_frame()
+        while kind == RDZV:  # the driver tells every task the port, task 0 too
+            kind, payload = client.recv_frame()
+        if kind != DATA:
+            raise channel.ChannelError(f"expected the data layout, got frame {kind}")
+        layout = DataLayout.decode(payload)
+        if layout.epoch_rows is None:
+            raise channel.ChannelError(f"no data layout: {layout.error}")
+        write_epoch_rows(os.path.join(workdir, "data"), layout.epoch_rows)
 
     def _agree(
         self, ctx: Any, own: RendezvousPort | None, shard_rows: list[int] | None, relays: bool
@@ -341,6 +384,7 @@ class BarrierTask:
         data_env: dict[str, str],
         relay: Relay | None,
         stop: StopSignal | None,
+        feed: Callable[[], None] | None = None,
     ) -> int | None:
         plan = self.plan
         argv, env = self._agent_command(
@@ -359,6 +403,14 @@ class BarrierTask:
             on_stdout=_forward(client, STDOUT),
             on_stderr=_forward(client, STDERR),
         )
+        if feed is not None:
+            try:
+                feed()
+            except BaseException:
+                agent.terminate(grace=3.0)
+                after_run(agent, succeeded=False)
+                terminate_processes(marked_processes(RUN_ID_ENV, plan.run_id), grace=1.0)
+                raise
         # The driver closes the channel when the run is over or must stop.
         watcher = threading.Thread(target=client.wait_closed, daemon=True)
         watcher.start()
@@ -404,6 +456,19 @@ def shard_env(workdir: str, schema_json: str, shards: list[ShardFile]) -> dict[s
     return {
         DATA_DIR_ENV: directory,
         SCHEMA_FILE_ENV: write_schema_file(schema_json, workdir),
+    }
+
+
+def streamed_shard_env(workdir: str, schema_json: str) -> dict[str, str]:
+    """What the ranks of a node need to find their shard (by ``LOCAL_RANK``) and to wait for
+    the rows per epoch (:func:`~sparktorch_ops.data.shards.wait_for_epoch_rows`), before the
+    shards are written."""
+    directory = os.path.join(workdir, "data")
+    os.makedirs(directory, exist_ok=True)
+    return {
+        DATA_DIR_ENV: directory,
+        SCHEMA_FILE_ENV: write_schema_file(schema_json, workdir),
+        EPOCH_ROWS_FILE_ENV: epoch_rows_path(directory),
     }
 
 

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import IO, Any
 
+from sparktorch_ops.data import shards
 from sparktorch_ops.node.process import (
     ForkedChild,
     die_with_parent,
@@ -269,6 +270,8 @@ def main() -> None:
         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         pid=os.getpid(),
     )
+    # DataFrame input still being written: the rank's clock starts once it has its rows.
+    shards.wait_for_epoch_rows(os.environ)
     secret = channel.read_secret_file(os.environ[SECRET_FILE_ENV])
     client = channel.ChannelClient.connect(
         os.environ[CHANNEL_ENV], secret, hello, fingerprint=os.environ.get(FINGERPRINT_ENV)

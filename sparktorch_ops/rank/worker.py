@@ -19,6 +19,7 @@ import time
 import traceback
 from typing import Any
 
+from sparktorch_ops import checkpoint
 from sparktorch_ops.data import shards
 from sparktorch_ops.node.process import exit_status, finish_like_an_interpreter, set_process_name
 from sparktorch_ops.rank import reporting, stacks
@@ -66,6 +67,7 @@ def run_payload(record: dict[str, Any], client: channel.ChannelClient, rank: int
         cloudpickle = cloudpickle_module()
         fn, args, kwargs = cloudpickle.loads(record["data"])
         value = fn(*args, **kwargs)
+        checkpoint.wait()  # a save still in flight is part of the run: it commits or fails it
         if rank == 0:
             client.send_result(cloudpickle.dumps(value))
         return 0
@@ -75,8 +77,12 @@ def run_payload(record: dict[str, Any], client: channel.ChannelClient, rank: int
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
-        return exit_status(exc)
-    return 0
+        code = exit_status(exc)
+    else:
+        code = 0
+    if code == 0:
+        checkpoint.wait()
+    return code
 
 
 def main(secret: str | None = None) -> int:

@@ -6,7 +6,8 @@ with one Spark job (row count, array lengths) and turns every problem into a ``C
 naming the column: an empty input, a type that cannot become a tensor, ragged arrays.
 
 Barrier mode lays the DataFrame out in ``tasks`` partitions of equal size (to within one row;
-:meth:`PreparedInput.laid_out`) and runs ``mapInArrow(..., barrier=True)`` over them: each
+:meth:`PreparedInput.laid_out`: the input itself when its partitions already are those, else
+an exact shuffle) and runs ``mapInArrow(..., barrier=True)`` over them: each
 barrier task receives its partition as Arrow record batches and writes one shard per rank
 (:func:`~sparktorch_ops.data.shards.write_shards`). Local mode streams the DataFrame to the
 driver one partition at a time (:func:`stream_batches`) and writes the shards there. Ranks read
@@ -118,13 +119,15 @@ class DataInput:
 
 @dataclass(frozen=True)
 class InputFacts:
-    """What :func:`inspect_input` found: rows, columns, the Spark schema (JSON) and the rows
-    of each non-empty input partition (``(partition id, rows)``, for the exact layout)."""
+    """What :func:`inspect_input` found: rows, columns, the Spark schema (JSON), the rows
+    of each non-empty input partition (``(partition id, rows)``, for the exact layout) and how
+    many partitions the input has (None where a Connect session cannot tell)."""
 
     rows: int
     columns: tuple[str, ...]
     schema_json: str
     partition_rows: tuple[tuple[int, int], ...] = ()
+    partitions: int | None = None
 
     def summary(self) -> dict[str, Any]:
         """JSON-safe: rows and columns (for XCom and artifacts)."""
@@ -199,14 +202,36 @@ def inspect_input(dataframe: DataFrame) -> InputFacts:
                 f"column {name!r} holds arrays of different lengths ({shortest} to {longest}, "
                 "or nulls): a batch needs one length per column; pad or filter them",
             )
+    partition_rows = tuple(
+        sorted((int(row["partition"]), int(row["rows"])) for row in per_partition)
+    )
     return InputFacts(
         rows=rows,
         columns=tuple(schema.fieldNames()),
         schema_json=json.dumps(schema.jsonValue()),
-        partition_rows=tuple(
-            sorted((int(row["partition"]), int(row["rows"])) for row in per_partition)
-        ),
+        partition_rows=partition_rows,
+        partitions=_num_partitions(dataframe) if _even(partition_rows) else None,
     )
+
+
+def _even(partition_rows: tuple[tuple[int, int], ...]) -> bool:
+    """Whether the non-empty partitions are the first ones and differ by at most one row."""
+    ids = [partition for partition, _ in partition_rows]
+    sizes = [rows for _, rows in partition_rows]
+    return ids == list(range(len(ids))) and max(sizes) - min(sizes) <= 1
+
+
+def _num_partitions(dataframe: DataFrame) -> int | None:
+    """How many partitions a classic DataFrame has, where Spark can tell without running a
+    job; else None (Connect, whose DataFrames have no RDD; a plan with a shuffle, whose
+    partitions adaptive execution only knows once it ran the shuffle)."""
+    try:
+        plan = str(dataframe._jdf.queryExecution().executedPlan().toString())
+        if "Exchange" in plan:
+            return None
+        return int(dataframe.rdd.getNumPartitions())
+    except Exception:  # Connect (no JVM DataFrame here), or a plan that cannot say
+        return None
 
 
 @dataclass(frozen=True)
@@ -224,9 +249,23 @@ class PreparedInput:
 
         return to_arrow_schema(self.dataframe.schema)
 
-    def laid_out(self, tasks: int) -> DataFrame:
+    def fits(self, tasks: int) -> bool:
+        """Whether the input already is ``tasks`` partitions whose sizes differ by at most one
+        row: then the barrier stage can read it as it is, without a shuffle."""
+        facts = self.facts
+        return (
+            facts.partitions == tasks
+            and len(facts.partition_rows) == tasks
+            and _even(facts.partition_rows)
+        )
+
+    def laid_out(self, tasks: int, *, shuffle: bool = False) -> DataFrame:
         """The DataFrame in ``tasks`` partitions whose sizes differ by at most one row.
 
+        When the input already is such partitions (:meth:`fits`), it is the input itself, so
+        the barrier tasks read the rows straight from it: no shuffle writes and reads them
+        once more (``shuffle=True`` lays it out all the same, for inputs whose lineage a
+        barrier stage cannot take, see :func:`barrier_refused`). Otherwise:
         Every row gets its position in the whole input (its input partition's offset, from
         :func:`inspect_input`'s counts, plus its place in that partition); task ``t`` gets the
         positions ``[t * rows / tasks, (t + 1) * rows / tasks)``, shuffled there by a key whose
@@ -236,6 +275,8 @@ class PreparedInput:
         An input that reads differently the second time (a nondeterministic query) gets
         uneven shards, never lost rows; the ranks still see equal batch counts.
         """
+        if not shuffle and self.fits(tasks):
+            return self.dataframe
         F = sql_functions(self.dataframe)
         facts = self.facts
         if not facts.partition_rows:
@@ -251,6 +292,20 @@ class PreparedInput:
         keys = F.array(*[F.lit(key) for key in partition_keys(tasks)])
         key = F.element_at(keys, task.cast("int") + 1)
         return self.dataframe.repartition(tasks, key.alias(_LAYOUT_KEY)).drop(_LAYOUT_KEY)
+
+
+def barrier_refused(exc: BaseException) -> bool:
+    """Whether Spark refused a barrier stage for its input's lineage: a barrier stage cannot
+    hold RDDs whose partitions differ in number from its own (a ``union``, a ``coalesce``
+    before it). Spark says so when the job is submitted, before any task runs."""
+    java = getattr(exc, "java_exception", None)
+    text = str(exc)
+    if java is not None:
+        try:
+            text += str(java.toString())
+        except Exception:  # the JVM may be gone; the Python side's text is enough
+            pass
+    return "Barrier execution mode does not allow" in text
 
 
 # monotonically_increasing_id() is (partition id << 33) + the row's number in its partition.

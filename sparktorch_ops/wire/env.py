@@ -52,6 +52,10 @@ DATA_FILE_ENV = _per_run("SPARK_PARTITION_ARROW_DATA_FILE")
 SCHEMA_FILE_ENV = _per_run("SPARK_DATAFRAME_SCHEMA_FILE")
 #: Rows every rank yields per epoch of ``partition_loader``: the largest shard's rows.
 EPOCH_ROWS_ENV = _per_run("SPARKTORCH_OPS_DATA_EPOCH_ROWS")
+#: A file that will hold EPOCH_ROWS_ENV's value once every task has written its shards: a
+#: barrier task starts its agent while it writes them, and each rank waits for the file before
+#: it connects (the bootstrap sets EPOCH_ROWS_ENV from it).
+EPOCH_ROWS_FILE_ENV = _per_run("SPARKTORCH_OPS_DATA_EPOCH_ROWS_FILE")
 #: The directory of a node's shards; the worker sets DATA_FILE_ENV to its own (LOCAL_RANK's).
 DATA_DIR_ENV = _per_run("SPARKTORCH_OPS_DATA_DIR")
 

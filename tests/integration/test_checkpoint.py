@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from sparktorch_ops import ConfigError, TorchDistributor, TrainingFailedError
+from sparktorch_ops import CheckpointError, ConfigError, TorchDistributor, TrainingFailedError
 from sparktorch_ops import checkpoint as ck
 from sparktorch_ops.lightning import latest_ckpt_path
 
@@ -47,11 +48,14 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def train_ddp(steps: int, keep: int, die_after: int | None, marker: str | None) -> dict[str, Any]:
+def train_ddp(
+    steps: int, keep: int, die_after: int | None, marker: str | None, blocking: bool = True
+) -> dict[str, Any]:
     """DDP training that saves every step and resumes from the latest checkpoint.
 
-    With ``die_after``, rank 1 exits right after that step's checkpoint the first time
-    (``marker`` remembers it).
+    With ``die_after``, rank 1 exits right after that step's checkpoint committed, the first
+    time (``marker`` remembers it). ``blocking=False`` saves in the background; the
+    ``finally`` then destroys the process group with the last save in flight.
     """
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -71,8 +75,9 @@ def train_ddp(steps: int, keep: int, die_after: int | None, marker: str | None) 
             optimizer.step()
             optimizer.zero_grad()
             state.extra["seen"] += GLOBAL_BATCH
-            ck.save(state, step, keep=keep)
+            ck.save(state, step, keep=keep, blocking=blocking)
             if step == die_after and rank == 1 and marker and not os.path.exists(marker):
+                ck.wait()
                 Path(marker).touch()
                 os._exit(1)
         return {
@@ -115,6 +120,15 @@ def crash_while_saving(record: str) -> None:
 
         ck._Location.write_file = die_before_marker  # type: ignore[method-assign]
     ck.save(state, 2)
+
+
+def save_in_background_and_return(directory: str) -> None:
+    """Both ranks start a background save that cannot be written, and return at once."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    ck.save({"model": DistributedDataParallel(toy_model())}, 0, directory=directory, blocking=False)
 
 
 class FsdpNet(torch.nn.Module):
@@ -291,7 +305,7 @@ def test_barrier_mode_resumes_after_a_crash_bit_for_bit(
         spark=spark,
         max_restarts=1,
         checkpoint_dir=str(directory),
-    ).launch(train_ddp, STEPS, 3, 2, str(marker))
+    ).launch(train_ddp, STEPS, 3, 2, str(marker), False)
     # Each barrier task's agent counts its own restarts: an agent whose worker was healthy
     # restarts for the new rendezvous without counting one, so rank 0 may see 0 or 1 here.
     # Resuming at step 3 is what proves the group was restarted.
@@ -299,6 +313,35 @@ def test_barrier_mode_resumes_after_a_crash_bit_for_bit(
     assert_same(result.value["weights"], reference["weights"])
     assert result.checkpoint is not None and result.checkpoint["resumed_from_step"] is None
     assert result.checkpoint["latest_step"] == STEPS - 1
+
+
+def test_background_saves_train_bit_for_bit_and_commit_before_the_group_goes(
+    tmp_path: Path, uninterrupted: tuple[Path, dict[str, Any]]
+) -> None:
+    _, reference = uninterrupted
+    directory = tmp_path / "ck"
+    value = distributor(str(directory)).run(train_ddp, STEPS, 2, None, None, False)
+    assert_same(value["weights"], reference["weights"])
+    # The last save was in flight when train_ddp destroyed the process group: it committed.
+    assert step_dirs(directory) == ["step-000000003", "step-000000004"]
+    model = toy_model(seed=5)
+    state = ck.TrainingState(model, torch.optim.AdamW(model.parameters()), seen=0)
+    assert ck.load_latest(state, directory=str(directory)) == STEPS - 1
+    assert_same(model.state_dict(), reference["weights"])
+    assert state.extra["seen"] == STEPS * GLOBAL_BATCH
+
+
+def test_a_failed_background_save_fails_the_run_naming_rank_and_step(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    directory = blocker / "ck"  # under a regular file: the write fails in the background
+    with pytest.raises(TrainingFailedError) as info:
+        distributor(str(directory), timeout=120).run(save_in_background_and_return, str(directory))
+    failure = info.value.first_failure
+    assert failure is not None and failure.exit_code == 1
+    assert "CheckpointError" in failure.reason and "NotADirectoryError" in failure.reason
+    assert f"the background save of step 0 to {directory}/step-000000000 failed" in failure.reason
+    assert f"rank {failure.rank}: " in failure.reason
 
 
 def test_second_run_resumes_after_the_last_step_and_wins_over_warm_start(
@@ -382,6 +425,61 @@ def trained(seed: int) -> tuple[torch.nn.Sequential, torch.optim.Optimizer]:
         optimizer.step()
         optimizer.zero_grad()
     return model, optimizer
+
+
+def test_a_background_save_writes_the_state_as_it_was_when_called(tmp_path: Path) -> None:
+    model, optimizer = trained(0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    losses = [1.0]
+    state = ck.TrainingState(model, optimizer, losses=losses)
+    url = ck.save(state, 0, directory=str(tmp_path), blocking=False)
+    with torch.no_grad():  # training goes on while the save is written
+        for p in model.parameters():
+            p.add_(1.0)
+    losses.append(2.0)
+    assert ck.wait() == url == str(tmp_path / "step-000000000")
+    assert ck.wait() is None
+    assert (tmp_path / "step-000000000" / ck.COMMIT_MARKER).exists()
+
+    fresh, fresh_optimizer = trained(1)
+    loaded = ck.TrainingState(fresh, fresh_optimizer, losses=[])
+    assert ck.load_latest(loaded, directory=str(tmp_path)) == 0
+    assert_same(fresh.state_dict(), before)
+    assert loaded.extra["losses"] == [1.0]
+
+    # One save in flight at a time; load_latest and the next save wait; keep prunes.
+    for step in range(1, 4):
+        ck.save(state, step, keep=2, directory=str(tmp_path), blocking=False)
+        assert ck.latest_step(directory=str(tmp_path)) == step - 1
+    assert ck.load_latest(loaded, directory=str(tmp_path)) == 3
+    assert step_dirs(tmp_path) == ["step-000000002", "step-000000003"]
+    assert loaded.extra["losses"] == [1.0, 2.0]
+
+
+def test_a_failed_background_save_is_raised_by_the_next_call(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    directory = str(blocker / "ck")
+    model, _ = trained(0)
+    ck.save({"model": model}, 3, directory=directory, blocking=False)
+    with pytest.raises(CheckpointError) as info:
+        ck.wait()
+    error = info.value
+    assert (error.rank, error.step, error.directory) == (0, 3, f"{directory}/step-000000003")
+    assert error.cause.startswith("NotADirectoryError: ") and error.__cause__ is not None
+    assert pickle.loads(pickle.dumps(error)).args == error.args
+    assert "background save of step 3" in capfd.readouterr().err
+    assert ck.wait() is None  # raised once
+
+    ck.save({"model": model}, 4, directory=directory, blocking=False)
+    with pytest.raises(CheckpointError, match="step 4"):
+        ck.save({"model": model}, 5, directory=str(tmp_path / "fine"))
+    assert ck.latest_step(directory=str(tmp_path / "fine")) is None  # not written either
+    with pytest.raises(ConfigError) as config:
+        ck.save({"model": model}, 5, directory=str(tmp_path), blocking="no")  # type: ignore[arg-type]
+    assert config.value.argument == "blocking"
 
 
 def test_keep_prunes_and_stale_step_dirs_go(tmp_path: Path) -> None:

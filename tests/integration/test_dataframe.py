@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -73,6 +74,62 @@ def test_rows_that_divide_evenly_reach_exactly_one_rank_once(spark: Any) -> None
     seen = sorted(i for rank in result.value["ranks"] for i in rank["ids"])
     assert seen == list(range(1200))  # no row twice, none missing
     assert [len(rank["ids"]) for rank in result.value["ranks"]] == [600, 600]
+
+
+@pytest.mark.parametrize("rows", [1000, 1001])
+def test_an_input_already_laid_out_is_read_without_a_shuffle(spark: Any, rows: int) -> None:
+    from sparktorch_ops.spark.dataframe import DataInput, prepare_input
+
+    frame = _frame(spark, rows, 2)  # two partitions, one per task, within one row
+    prepared = prepare_input(DataInput(dataframe=frame), spark)
+    assert prepared.fits(2) and prepared.laid_out(2) is frame
+    result = TorchDistributor(
+        num_processes=2, local_mode=False, use_gpu=False, spark=spark
+    ).launch_on_dataframe(ids_seen, frame, 64)
+    ranks = result.value["ranks"]
+    first, second = (set(r["ids"]) for r in ranks)
+    assert first.isdisjoint(second) and first | second == set(range(rows))
+    assert sorted([len(first), len(second)]) == [rows // 2, rows - rows // 2]
+    assert all(r["aligned"] for r in ranks)
+    assert [r["batches"] for r in ranks] == [-(-(rows - rows // 2) // 64)] * 2
+
+
+def test_an_input_a_barrier_stage_cannot_read_as_it_is_is_shuffled(
+    spark: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Four partitions coalesced into two are the layout's partitions, but a barrier stage
+    # cannot hold RDDs of other partition counts: Spark refuses it and the layout shuffles.
+    from sparktorch_ops.spark.dataframe import DataInput, prepare_input
+
+    frame = _frame(spark, 600, 4).coalesce(2)
+    assert prepare_input(DataInput(dataframe=frame), spark).fits(2)  # so read as it is first
+    caplog.set_level(logging.DEBUG, logger="sparktorch_ops.launchers.barrier")
+    result = TorchDistributor(
+        num_processes=2, local_mode=False, use_gpu=False, spark=spark
+    ).launch_on_dataframe(ids_seen, frame, 32)
+    seen = sorted(i for rank in result.value["ranks"] for i in rank["ids"])
+    assert seen == list(range(600))
+    assert [len(rank["ids"]) for rank in result.value["ranks"]] == [300, 300]
+    assert "cannot read the input as it is" in caplog.text  # refused, then shuffled
+
+
+def test_fewer_partitions_than_ranks_still_give_equal_shards(spark: Any) -> None:
+    result = TorchDistributor(
+        num_processes=2, local_mode=False, use_gpu=False, spark=spark
+    ).launch_on_dataframe(ids_seen, _frame(spark, 301, 1), 32)
+    first, second = (set(r["ids"]) for r in result.value["ranks"])
+    assert first.isdisjoint(second) and first | second == set(range(301))
+    assert sorted([len(first), len(second)]) == [150, 151]
+
+
+def test_fewer_rows_than_ranks_fail_once_the_shards_are_written(spark: Any) -> None:
+    # The agents start while the shards are written; the task stops its own when a rank of
+    # the run would get no rows.
+    from sparktorch_ops import TrainingFailedError
+
+    distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark)
+    with pytest.raises(TrainingFailedError, match="fewer rows than ranks"):
+        distributor.train_on_dataframe(ids_seen, _frame(spark, 1, 1), 4)
 
 
 def test_pyspark_name_and_bad_input_are_typed_errors(spark: Any) -> None:

@@ -26,7 +26,12 @@ from sparktorch_ops.data import DataError
 from sparktorch_ops.data import shards as shard_format
 from sparktorch_ops.data.shards import ShardFile
 from sparktorch_ops.errors import ConfigError
-from sparktorch_ops.wire.env import DATA_FILE_ENV, EPOCH_ROWS_ENV, SCHEMA_FILE_ENV
+from sparktorch_ops.wire.env import (
+    DATA_FILE_ENV,
+    EPOCH_ROWS_ENV,
+    EPOCH_ROWS_FILE_ENV,
+    SCHEMA_FILE_ENV,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = 1001
@@ -174,6 +179,26 @@ def test_write_schema_file_and_rank_env(tmp_path: Path) -> None:
         SCHEMA_FILE_ENV: path,
         EPOCH_ROWS_ENV: "501",
     }
+
+
+def test_a_rank_waits_for_the_rows_per_epoch_while_the_shards_are_written(
+    tmp_path: Path,
+) -> None:
+    import threading
+
+    environ = {EPOCH_ROWS_FILE_ENV: shard_format.epoch_rows_path(str(tmp_path))}
+    waiter = threading.Thread(target=shard_format.wait_for_epoch_rows, args=(environ,))
+    waiter.start()
+    waiter.join(0.05)
+    assert waiter.is_alive() and EPOCH_ROWS_ENV not in environ  # not written yet: it waits
+    shard_format.write_epoch_rows(str(tmp_path), 501)
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert environ == {EPOCH_ROWS_ENV: "501"}  # the file's variable is not left to user code
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-rows"]  # no partial file
+    untouched = {"OTHER": "1"}
+    shard_format.wait_for_epoch_rows(untouched)  # no file named: nothing to wait for
+    assert untouched == {"OTHER": "1"}
 
 
 # -- column checks ------------------------------------------------------------------------------
