@@ -400,11 +400,7 @@ class TrainingState:
 
     def state_dict(self) -> dict[str, Any]:
         """The state as DCP saves it: model and optimizer state dicts, then the extra values."""
-        converted = _to_dcp(self)
-        return {
-            key: value.state_dict() if isinstance(value, _ModuleState | _OptimizerState) else value
-            for key, value in converted.items()
-        }
+        return _plain_state_dict(_to_dcp(self))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict` (from DCP) into the model, the optimizer and ``extra``."""
@@ -472,6 +468,14 @@ def _owner(
         f"the optimizer under {key!r} holds parameters of {problem} of the state; "
         "put its model next to it (TrainingState(model, optimizer) or {'model': m, 'optim': o})",
     )
+
+
+def _plain_state_dict(converted: Mapping[str, Any]) -> dict[str, Any]:
+    """What DCP writes for ``converted``: modules and optimizers as their state dicts."""
+    return {
+        key: value.state_dict() if isinstance(value, _ModuleState | _OptimizerState) else value
+        for key, value in converted.items()
+    }
 
 
 def _copy_back(state: TrainingState | Mapping[str, Any], converted: Mapping[str, Any]) -> None:
@@ -649,10 +653,7 @@ def _save_in_background(
 
     process_group = _background_group(group)
     name = step_dir_name(step)
-    flat = {
-        key: value.state_dict() if isinstance(value, _ModuleState | _OptimizerState) else value
-        for key, value in converted.items()
-    }
+    flat = _plain_state_dict(converted)
     stager = DefaultStager(StagingOptions(False, False, False, False))
     try:
         staged = stager.stage(flat)  # a deep copy on CPU: training may change the state now
