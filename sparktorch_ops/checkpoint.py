@@ -17,6 +17,7 @@ The layout under the directory, one DCP checkpoint per step::
     <dir>/step-000000002/__0_0.distcp      rank 0's data: its shards and its share of the
                                            replicated values, one file per rank
     <dir>/step-000000002/__1_0.distcp
+    <dir>/step-000000002/reports.json      rank 0's report() records up to this step
     <dir>/step-000000002/COMMITTED         {"step": 2, "world_size": 2, "time": ..., "torch": ...}
 
 Guarantees:
@@ -44,6 +45,10 @@ Guarantees:
   one plain process.
 * Decisions (which step to resume, whether a step is already committed) are taken by rank 0
   and broadcast, so every rank does the same thing even on an eventually consistent store.
+* **No metric lost to a crash**: a checkpoint carries rank 0's ``report()`` records up to its
+  step (``reports.json``), and a resume sends them again, marked as replayed: the driver logs
+  to MLflow those steps its run lacks (the orchestrator's process may have died before it
+  sent them). Steps trained again after the resumed checkpoint are reported again.
 
 State: a :class:`TrainingState` or a dict. In a dict, ``torch.nn.Module`` values are saved
 through ``get_model_state_dict`` (no DDP ``module.`` prefix, sharded FSDP2 state) and
@@ -77,6 +82,7 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sparktorch_ops.errors import CheckpointError, ConfigError
+from sparktorch_ops.rank import reporting
 from sparktorch_ops.wire.env import CHECKPOINT_DIR_ENV, WARM_START_ENV
 
 if TYPE_CHECKING:
@@ -100,6 +106,10 @@ __all__ = [
 
 COMMIT_MARKER = "COMMITTED"
 """The file that makes a step directory a checkpoint; written last, by rank 0."""
+REPORTS_FILE = "reports.json"
+"""Rank 0's ``report()`` records since the previous checkpoint (and at least its last
+minute's), written before the marker; :func:`load_latest` sends them again on a resume, so a
+committed checkpoint implies its steps' metrics reach MLflow even if the driver died first."""
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _DCP_METADATA = ".metadata"
@@ -577,20 +587,30 @@ def save(
             f"step {step} is already checkpointed at {location.url(name)}; save each step once "
             "(resume from load_latest()'s step + 1)",
         )
+    # Rank 0's reports up to this step go with it: a resume replays what MLflow may lack.
+    reports = reporting.records_for_checkpoint() if group.rank == 0 else []
     if not blocking:
-        _save_in_background(converted, location, step, keep, group)
+        _save_in_background(converted, location, step, keep, group, reports)
         return location.url(name)
     with group.quiet():
         dcp.save(converted, storage_writer=location.writer(name), no_dist=group.no_dist)
-    _commit(location, step, keep, group)
+    _commit(location, step, keep, group, reports)
     return location.url(name)
 
 
 def _commit(
-    location: _Location, step: int, keep: int, group: _Group, process_group: Any = None
+    location: _Location,
+    step: int,
+    keep: int,
+    group: _Group,
+    reports: list[dict[str, Any]],
+    process_group: Any = None,
 ) -> None:
-    """Rank 0 writes the marker and prunes; every rank returns once that is done."""
+    """Rank 0 writes its reports, the marker and prunes; every rank returns once that is
+    done."""
     if group.rank == 0:
+        if reports:
+            location.write_file(json.dumps(reports).encode(), step_dir_name(step), REPORTS_FILE)
         marker = {
             "step": step,
             "world_size": group.world,
@@ -645,7 +665,12 @@ def wait() -> str | None:
 
 
 def _save_in_background(
-    converted: Mapping[str, Any], location: _Location, step: int, keep: int, group: _Group
+    converted: Mapping[str, Any],
+    location: _Location,
+    step: int,
+    keep: int,
+    group: _Group,
+    reports: list[dict[str, Any]],
 ) -> None:
     """Copy the state now; write, commit and prune it in a thread."""
     import torch.distributed.checkpoint as dcp
@@ -672,7 +697,7 @@ def _save_in_background(
                 process_group=process_group,
                 no_dist=group.no_dist,
             )
-            _commit(location, step, keep, group, process_group)
+            _commit(location, step, keep, group, reports, process_group)
         except BaseException as exc:
             pending.error = CheckpointError(pending.rank, step, pending.url, _describe(exc))
             pending.error.__cause__ = exc
@@ -798,6 +823,7 @@ def load_latest(
         _copy_back(state, converted)
         if group.rank == 0:
             _announce(f"resumed from step {step} at {location.url(name)}", log)
+            _replay_reports(location, name, log)
         return step
     source = os.environ.get(WARM_START_ENV, "").strip()
     if source:
@@ -806,6 +832,20 @@ def load_latest(
     if group.rank == 0:
         _announce(f"no checkpoint under {location.root}: starting fresh", log)
     return None
+
+
+def _replay_reports(location: _Location, name: str, log: logging.Logger | None) -> None:
+    """Send the reports a checkpoint carries again (rank 0, on resume)."""
+    if not location.is_file(name, REPORTS_FILE):
+        return
+    try:
+        with location.open(name, REPORTS_FILE) as handle:
+            records = json.loads(handle.read())
+    except (OSError, ValueError) as exc:
+        _announce(f"the reports saved with {location.url(name)} cannot be read: {exc}", log)
+        return
+    if isinstance(records, list):
+        reporting.replay(record for record in records if isinstance(record, dict))
 
 
 def warm_start(

@@ -245,6 +245,14 @@ OPTIONS: tuple[Option, ...] = (
         None,
         surfaces=frozenset({"job"}),
     ),
+    Option(
+        "training",
+        "this try of a durable training (:class:`~sparktorch_ops.driver.durable.TrainingTry`, "
+        "made by the orchestrators): its tries share one MLflow run, and only the last sets "
+        "its final status.",
+        None,
+        surfaces=frozenset({"job"}),
+    ),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
 

@@ -75,6 +75,8 @@ class MetricRecord:
         time: when the rank reported it (seconds since the epoch).
         values: the reported values (JSON-safe scalars).
         progress: the reported progress in [0, 1], if given.
+        replayed: reported by an earlier try and replayed from the checkpoint this try
+            resumed from (MLflow gets it only where the run lacks it).
     """
 
     rank: int
@@ -82,6 +84,7 @@ class MetricRecord:
     time: float
     values: dict[str, Any]
     progress: float | None = None
+    replayed: bool = False
 
     def describe(self) -> str:
         """One log line: ``step 2 progress 100% loss=0.333``."""
@@ -126,6 +129,8 @@ class RunResult:
             and ``latest_step`` (the latest complete checkpoint when the run ended).
         mlflow_run_id: the MLflow run that tracked it (with ``mlflow_experiment``).
         mlflow_run_url: that run's page in the MLflow UI (an MLflow server's tracking URI).
+        training_id: the durable training this run is a try of (an orchestrator's retries of
+            one task share it; None outside one).
     """
 
     value: Any
@@ -145,6 +150,7 @@ class RunResult:
     checkpoint: dict[str, Any] | None = None
     mlflow_run_id: str | None = None
     mlflow_run_url: str | None = None
+    training_id: str | None = None
 
     @property
     def duration(self) -> pendulum.Duration:
@@ -170,7 +176,8 @@ class RunResult:
         ``num_processes``, ``mode``, ``app_id``, ``ui_url``, ``run_id``, ``exit_codes`` (by
         rank, as strings), ``started_at``, ``finished_at`` (ISO 8601), and
         ``output_truncated`` when a script's output was cut, ``metrics_dropped`` when old
-        metric records were dropped, ``input`` (rows, columns, source) with DataFrame input.
+        metric records were dropped, ``input`` (rows, columns, source) with DataFrame input,
+        ``training_id`` for a try of a durable training.
         """
         summary: dict[str, Any] = {
             "metrics": {k: json_scalar(v) for k, v in self.final_metrics(0).items()},
@@ -196,6 +203,8 @@ class RunResult:
         if self.mlflow_run_id is not None:
             summary["mlflow_run_id"] = self.mlflow_run_id
             summary["mlflow_run_url"] = self.mlflow_run_url
+        if self.training_id is not None:
+            summary["training_id"] = self.training_id
         return summary
 
 

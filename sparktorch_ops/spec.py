@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from sparktorch_ops import options
+from sparktorch_ops.driver.durable import TrainingTry
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
 
@@ -322,6 +323,7 @@ class LaunchSpec:
     mlflow_all_ranks: bool = False
     mlflow_tags: Mapping[str, str] = field(default_factory=dict)
     channel_host: str | None = None
+    training: TrainingTry | None = None
 
     def __post_init__(self) -> None:
         _require_int("num_processes", self.num_processes, 1)
@@ -359,6 +361,8 @@ class LaunchSpec:
             "warm_start_from",
             check_location("warm_start_from", self.warm_start_from, must_exist=True),
         )
+        if self.training is not None and not isinstance(self.training, TrainingTry):
+            raise ConfigError("training", f"must be a TrainingTry, got {self.training!r}")
         for name in ("on_metrics", "on_event"):
             hook = getattr(self, name)
             if hook is not None and not callable(hook):

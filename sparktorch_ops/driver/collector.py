@@ -439,6 +439,7 @@ class RunCollector(channel.ChannelHandler):
             time=report.time,
             values=dict(report.values),
             progress=report.progress,
+            replayed=bool(report.replayed),
         )
         if len(self.metrics) == self.metrics.maxlen:
             self.metrics_dropped += 1

@@ -9,7 +9,7 @@ from sparktorch_ops import checkpoint
 from sparktorch_ops.spec import LaunchSpec
 
 
-def _latest_step(directory: str, log: logging.Logger) -> int | None:
+def latest_step(directory: str, log: logging.Logger) -> int | None:
     """The latest complete checkpoint's step as the driver sees it (None when it cannot look:
     a directory only the executors reach)."""
     try:
@@ -26,7 +26,7 @@ def announce(spec: LaunchSpec, log: logging.Logger) -> int | None:
     directory = spec.checkpoint_dir
     if directory is None:
         return None
-    step = _latest_step(directory, log)
+    step = latest_step(directory, log)
     warm = spec.warm_start_from
     if step is not None:
         log.info(
@@ -53,5 +53,5 @@ def summary(
         "dir": directory,
         "resumed_from_step": resumed_from,
         "warm_start_from": spec.warm_start_from if resumed_from is None else None,
-        "latest_step": _latest_step(directory, log),
+        "latest_step": latest_step(directory, log),
     }

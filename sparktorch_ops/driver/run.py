@@ -20,7 +20,9 @@ import uuid
 import pendulum
 
 from sparktorch_ops import errors, events
+from sparktorch_ops.driver import resume
 from sparktorch_ops.driver.console import PACKAGE_LOGGER, console
+from sparktorch_ops.driver.durable import TrainingTry, try_line
 from sparktorch_ops.driver.finish import rank0_value, run_result
 from sparktorch_ops.driver.launch import launch
 from sparktorch_ops.driver.packing import describe
@@ -56,23 +58,38 @@ class Run:
     def execute(self) -> RunResult:
         """Run the job to its end (see :meth:`TorchDistributor.run` for what it raises)."""
         self.check_cancelled()  # cancelled while the job was being built
+        training = self.spec.training
         if self.spec.tracked:  # here: MLflow's active run is the caller thread's
             job = self.job
             self._tracker = start_tracking(
                 self.spec, self.run_id, describe(job.payload), job.args, job.kwargs, self.log
             )
+        if training is not None:
+            self._announce(training)
+        last_try = training is None or training.last_try
         try:
             outcome = self._wait()
         except BaseException as exc:
             if self._tracker is not None:
-                self._tracker.finish(exc)
+                self._tracker.finish(exc, last_try=last_try)
             raise
+        if training is not None:
+            outcome = dataclasses.replace(outcome, training_id=training.training_id)
         if self._tracker is not None:
             self._tracker.finish(outcome)
             outcome = dataclasses.replace(
                 outcome, mlflow_run_id=self._tracker.run_id, mlflow_run_url=self._tracker.url
             )
         return outcome
+
+    def _announce(self, training: TrainingTry) -> None:
+        """The task log's line on what this try of a durable training does."""
+        directory = self.spec.checkpoint_dir
+        step = None
+        if training.resumed and directory is not None:
+            step = resume.latest_step(directory, self.log)
+        run = self._tracker.run_id if self._tracker is not None else None
+        self.log.info(try_line(training, step, run))
 
     def check_cancelled(self) -> None:
         """Raise TrainingCancelledError once the job's cancel token is set."""

@@ -13,6 +13,11 @@ becomes its parent), and logs to it from the driver only:
   (Airflow's dag/run/task, Prefect's flow run); at the end the outcome, ``duration_s`` and
   the run's status (``FINISHED``, ``FAILED`` or ``KILLED`` for a cancelled run).
 
+A durable training (:class:`~sparktorch_ops.driver.durable.TrainingTry`) has one MLflow run for
+all its tries: a later try reopens the earlier one's (``RUNNING`` again, tagged with the tries it
+spans) instead of creating another; a try that fails with a retry to come leaves it
+``RUNNING``; the metrics a resumed checkpoint replays are logged only where the run lacks them.
+
 The ranks never talk to MLflow: the tracking URI and credentials (``MLFLOW_TRACKING_*``) are
 removed from their environment (:func:`~sparktorch_ops.wire.env.strip_tracking_env`). The
 tracking URI is ``mlflow_tracking_uri=``, else ``MLFLOW_TRACKING_URI``, else MLflow's default.
@@ -29,6 +34,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from sparktorch_ops.driver.durable import TRAINING_ID_TAG, TRIES_TAG
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.events import SESSION_READY
 
@@ -118,6 +124,9 @@ class MlflowTracker:
         self.parent_run_id = active.info.run_id if active is not None else None
         self.run_id = ""
         self.url: str | None = None
+        # Steps the run already has per metric key (a continued run): replays skip them.
+        self._logged: dict[str, set[int]] = {}
+        self.replayed_logged = 0  # replayed metrics the run lacked, logged by this try
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._started = 0.0
@@ -162,17 +171,60 @@ class MlflowTracker:
             raise ConfigError(
                 "mlflow_experiment", f"MLflow refused the run's params: {_first_line(exc)}"
             ) from exc
+        self._begin("")
+        return self.run_id
+
+    def resume(self, run_id: str, tags: Mapping[str, str]) -> str | None:
+        """Continue the MLflow run ``run_id`` of an earlier try: RUNNING again, ``tags`` set,
+        the steps it has noted so replayed metrics are not logged twice. None when the run
+        is gone (deleted, or on another server): the caller starts a new one."""
+        try:
+            run = self.client.get_run(run_id)
+        except Exception as exc:
+            self.log.warning(
+                "sparktorch_ops: the MLflow run %s of the earlier try cannot be continued "
+                "(%s); starting a new run",
+                run_id,
+                _first_line(exc),
+            )
+            return None
+        if run.info.lifecycle_stage != "active":
+            self.log.warning(
+                "sparktorch_ops: the MLflow run %s of the earlier try was deleted; starting a "
+                "new run",
+                run_id,
+            )
+            return None
+        try:
+            self.client.update_run(run_id, status="RUNNING")
+            for key in run.data.metrics:
+                history = self.client.get_metric_history(run_id, key)
+                self._logged[key] = {metric.step for metric in history}
+        except Exception as exc:
+            raise ConfigError(
+                "mlflow_experiment", f"MLflow could not reopen run {run_id}: {_first_line(exc)}"
+            ) from exc
+        self.run_id = run_id
+        self.experiment_id = str(run.info.experiment_id)
+        self.url = run_url(self.tracking_uri, self.experiment_id, self.run_id)
+        self._started = time.monotonic()
+        for key, value in tags.items():
+            self._call(self.client.set_tag, run_id, key, value)
+        self._begin("continued ")
+        return run_id
+
+    def _begin(self, how: str) -> None:
         self._thread = threading.Thread(
             target=self._send, name=f"mlflow-{self.run_id[:8]}", daemon=True
         )
         self._thread.start()
         self.log.info(
-            "sparktorch_ops: MLflow run %s in experiment %s%s",
+            "sparktorch_ops: %sMLflow run %s in experiment %s%s",
+            how,
             self.run_id,
             self.experiment_id,
             f" ({self.url})" if self.url else f" at {self.tracking_uri}",
         )
-        return self.run_id
 
     def on_metrics(self, record: Any) -> None:
         """A ``report()`` record: queued for the sender thread (never blocks the run)."""
@@ -198,21 +250,35 @@ class MlflowTracker:
                 }
             )
 
-    def finish(self, outcome: Any) -> None:
+    def finish(self, outcome: Any, *, last_try: bool = True) -> None:
         """Flush the metrics, then end the run with the outcome's status.
 
         ``outcome`` is the :class:`~sparktorch_ops.RunResult` or the exception the run ended
-        with; tracking problems are logged, never raised.
+        with; tracking problems are logged, never raised. With ``last_try=False`` a failure
+        that a retry may mend leaves the run RUNNING for that retry (its outcome tagged); a
+        success, bad input and a cancel end it either way.
         """
         from sparktorch_ops.errors import TrainingCancelledError
+        from sparktorch_ops.outcome import outcome_of
 
         if not self.run_id:
             return
         self._queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout=60)
+        if self.replayed_logged:
+            self.log.info(
+                "sparktorch_ops: %d metric values an earlier try reported were missing from "
+                "MLflow run %s; logged from the resumed checkpoint",
+                self.replayed_logged,
+                self.run_id,
+            )
+        status: str | None
         if isinstance(outcome, BaseException):
-            status = "KILLED" if isinstance(outcome, TrainingCancelledError) else "FAILED"
+            cancelled = isinstance(outcome, TrainingCancelledError)
+            status = "KILLED" if cancelled else "FAILED"
+            if not last_try and not cancelled and outcome_of(outcome).retryable:
+                status = None  # the next try continues this run
             detail = f"{type(outcome).__name__}: {_first_line(outcome)}"
         else:
             status, detail = "FINISHED", "succeeded"
@@ -221,14 +287,13 @@ class MlflowTracker:
             self.client.log_metric(
                 self.run_id, "duration_s", round(time.monotonic() - self._started, 3)
             )
-            self.client.set_terminated(self.run_id, status=status)
+            if status is not None:
+                self.client.set_terminated(self.run_id, status=status)
         except Exception as exc:
             self.log.warning("sparktorch_ops: could not end MLflow run %s: %s", self.run_id, exc)
 
     def _send(self) -> None:
         """Sender thread: batches of metrics (and tags) until ``finish`` queues None."""
-        from mlflow.entities import Metric
-
         done = False
         while not done:
             items: list[Any] = [self._queue.get()]
@@ -245,30 +310,33 @@ class MlflowTracker:
                 elif item[0] == "tag":
                     self._call(self.client.set_tag, self.run_id, item[1], item[2])
                 else:
-                    record, suffix = item
-                    for key, value in record.values.items():
-                        if isinstance(value, bool) or not isinstance(value, int | float):
-                            continue  # MLflow metrics are numbers
-                        metrics.append(
-                            Metric(
-                                f"{key}{suffix}", float(value), int(record.time * 1000), record.step
-                            )
-                        )
-                    if record.progress is not None:
-                        metrics.append(
-                            Metric(
-                                f"progress{suffix}",
-                                float(record.progress),
-                                int(record.time * 1000),
-                                record.step,
-                            )
-                        )
+                    metrics.extend(self._metrics_of(*item))
             for start in range(0, len(metrics), _BATCH_LIMIT):
                 self._call(
                     self.client.log_batch,
                     self.run_id,
                     metrics=metrics[start : start + _BATCH_LIMIT],
                 )
+
+    def _metrics_of(self, record: Any, suffix: str) -> list[Any]:
+        """A record's numbers as MLflow metrics; of a replayed record, only the steps the
+        run lacks (the crashed try's driver had not sent them)."""
+        from mlflow.entities import Metric
+
+        values = dict(record.values)
+        if record.progress is not None:
+            values["progress"] = record.progress
+        metrics = []
+        for key, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue  # MLflow metrics are numbers
+            name = f"{key}{suffix}"
+            if record.replayed:
+                if record.step in self._logged.get(name, ()):
+                    continue
+                self.replayed_logged += 1
+            metrics.append(Metric(name, float(value), int(record.time * 1000), record.step))
+        return metrics
 
     def _call(self, method: Any, *args: Any, **kwargs: Any) -> None:
         try:
@@ -285,14 +353,35 @@ def _first_line(exc: BaseException) -> str:
 def start_tracking(
     spec: Any, run_id: str, train: str, args: Any, kwargs: Mapping[str, Any], log: Any
 ) -> MlflowTracker:
-    """Start the MLflow run of one training run of ``spec`` (``train`` describes what runs);
-    on the caller's thread, so that it nests under the caller's active MLflow run."""
+    """Start the MLflow run of one training run of ``spec`` (``train`` describes what runs),
+    or continue the one of an earlier try of the same durable training; on the caller's
+    thread, so that it nests under the caller's active MLflow run."""
     tracker = MlflowTracker(
         spec.mlflow_experiment, spec.mlflow_tracking_uri, all_ranks=spec.mlflow_all_ranks, log=log
     )
-    tracker.start(
-        run_name=f"{train} {run_id}",
-        params=loggable_params(train, args, kwargs, spec),
-        tags={"sparktorch_ops.run_id": run_id, **spec.mlflow_tags},
-    )
+    tags = {"sparktorch_ops.run_id": run_id, **spec.mlflow_tags}
+    training = spec.training
+    if training is not None:
+        tags[TRAINING_ID_TAG] = training.training_id
+        tags[TRIES_TAG] = ",".join(str(number) for number in training.tries)
+    if (
+        training is None
+        or training.mlflow_run_id is None
+        or not tracker.resume(training.mlflow_run_id, tags)
+    ):
+        tracker.start(
+            run_name=f"{train} {training.training_id if training else run_id}",
+            params=loggable_params(train, args, kwargs, spec),
+            tags=tags,
+        )
+    if training is not None and training.on_mlflow_run is not None:
+        try:
+            training.on_mlflow_run(tracker.run_id)
+        except Exception as exc:  # the training can go on; a retry would open a new run
+            log.warning(
+                "sparktorch_ops: could not store the MLflow run id %s of the training %s: %s",
+                tracker.run_id,
+                training.training_id,
+                exc,
+            )
     return tracker

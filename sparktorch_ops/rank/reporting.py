@@ -1,20 +1,32 @@
-"""``report()``: metrics and progress from the training code to the driver."""
+"""``report()``: metrics and progress from the training code to the driver.
+
+Rank 0 also keeps its recent records, so that a checkpoint carries them
+(:func:`records_for_checkpoint`) and a resume sends them again (:func:`replay`): a record the
+driver had not passed on to MLflow when its process died is not lost to a retry.
+"""
 
 from __future__ import annotations
 
 import math
 import numbers
+import os
 import threading
 import time
 import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from sparktorch_ops.wire import channel
-from sparktorch_ops.wire.messages import MetricReport
+from sparktorch_ops.wire.messages import MessageError, MetricReport
+
+# A checkpoint carries rank 0's records since the previous checkpoint, and at least those of
+# this many seconds before it (the driver sends to MLflow every half second or so).
+CARRY_S = 60.0
 
 _lock = threading.Lock()
 _client: channel.ChannelClient | None = None
 _next_step = 0
+_kept: list[tuple[float, dict[str, Any]]] = []  # (monotonic time kept, record), rank 0 only
 
 
 def install(client: channel.ChannelClient | None) -> None:
@@ -23,6 +35,57 @@ def install(client: channel.ChannelClient | None) -> None:
     with _lock:
         _client = client
         _next_step = 0
+        _kept.clear()
+
+
+def records_for_checkpoint() -> list[dict[str, Any]]:
+    """Rank 0's records a checkpoint saved now carries (empty on other ranks): those since
+    the previous checkpoint, and those of the last :data:`CARRY_S` seconds."""
+    with _lock:
+        records = [record for _, record in _kept]
+        cutoff = time.monotonic() - CARRY_S
+        _kept[:] = [(kept, record) for kept, record in _kept if kept >= cutoff]
+    return records
+
+
+def replay(records: Iterable[Mapping[str, Any]]) -> int:
+    """Send records that a resumed checkpoint carried again, marked as replayed (the driver
+    logs to MLflow only the steps its run lacks); they are carried on as if new. Returns
+    how many were sent; records that are not well-formed are skipped."""
+    with _lock:
+        client = _client
+    if client is None:
+        return 0
+    sent = 0
+    for record in records:
+        try:
+            message = MetricReport(
+                step=int(record["step"]),
+                time=float(record["time"]),
+                values=dict(record["values"]),
+                progress=record.get("progress"),
+                replayed=True,
+            )
+            message.validate()
+        except (KeyError, TypeError, ValueError, AttributeError, MessageError):
+            continue
+        _keep(message)
+        client.send_message(message)
+        sent += 1
+    return sent
+
+
+def _keep(message: MetricReport) -> None:
+    if os.environ.get("RANK", "0") != "0":
+        return
+    record = {
+        "step": message.step,
+        "time": message.time,
+        "values": message.values,
+        "progress": message.progress,
+    }
+    with _lock:
+        _kept.append((time.monotonic(), record))
 
 
 def _scalar(key: str, value: Any) -> Any:
@@ -76,6 +139,6 @@ def report(step: int | None = None, progress: float | None = None, **values: Any
             stacklevel=2,
         )
         return
-    client.send_message(
-        MetricReport(step=int(step), time=time.time(), values=clean, progress=progress)
-    )
+    message = MetricReport(step=int(step), time=time.time(), values=clean, progress=progress)
+    _keep(message)
+    client.send_message(message)

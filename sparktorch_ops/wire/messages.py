@@ -168,12 +168,15 @@ class MetricReport(Message):
     time: float
     values: dict[str, Any] = field(default_factory=dict)
     progress: float | None = None
+    # Sent again from a resumed checkpoint (an earlier try reported it).
+    replayed: bool | None = None
 
     _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {
         "step": (int, False),
         "time": (float, False),
         "values": (dict, False),
         "progress": (float, True),
+        "replayed": (bool, True),
     }
 
     def validate(self) -> None:

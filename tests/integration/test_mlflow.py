@@ -251,6 +251,41 @@ def test_failed_training_is_a_failed_mlflow_run(sqlite_store: str) -> None:
     assert "duration_s" in run.data.metrics
 
 
+def test_the_failed_tries_of_a_durable_training_share_one_run_ended_by_the_last(
+    sqlite_store: str,
+) -> None:
+    from sparktorch_ops.distributor import launch_job
+    from sparktorch_ops.driver.durable import TrainingTry
+    from sparktorch_ops.job import build_job
+
+    uri, stored = sqlite_store, []
+    client = MlflowClient(uri)
+
+    def attempt(training: TrainingTry) -> Run:
+        job = build_job(
+            train=fail_on_rank1,
+            train_args=[STEPS],
+            num_processes=2,
+            use_gpu=False,
+            mlflow_experiment="durable-failing",
+            mlflow_tracking_uri=uri,
+            training=training,
+        )
+        with pytest.raises(TrainingFailedError):
+            launch_job(job)
+        return only_run(client, "durable-failing")
+
+    first = attempt(TrainingTry("training-t", 1, (1,), last_try=False, on_mlflow_run=stored.append))
+    assert [first.info.run_id] == stored
+    assert first.info.status == "RUNNING"  # a retry is to come: it continues this run
+    assert first.data.tags["sparktorch_ops.outcome"].startswith("TrainingFailedError: ")
+    assert first.data.tags["sparktorch_ops.training_id"] == "training-t"
+    assert first.data.tags["sparktorch_ops.tries"] == "1"
+    last = attempt(TrainingTry("training-t", 2, (1, 2), last_try=True, mlflow_run_id=stored[0]))
+    assert last.info.run_id == first.info.run_id and last.info.status == "FAILED"
+    assert last.data.tags["sparktorch_ops.tries"] == "1,2"
+
+
 def test_all_ranks_logs_other_ranks_suffixed(sqlite_store: str) -> None:
     uri = sqlite_store
     result = TorchDistributor(

@@ -39,6 +39,7 @@ NOT_OPTIONS = {
         "input_path",
         "input_format",
         "mlflow_conn_id",
+        "durable",
         "kwargs",
     },
     "task": {
@@ -55,6 +56,7 @@ NOT_OPTIONS = {
         "input_table",
         "input_path",
         "input_format",
+        "durable",
     },
 }
 

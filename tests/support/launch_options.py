@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from sparktorch_ops.driver.durable import TrainingTry
+
 #: A value the job refuses, naming the option, before anything starts.
 BAD: dict[str, Any] = {
     "num_processes": 0,
@@ -31,6 +33,7 @@ BAD: dict[str, Any] = {
     "on_metrics": 7,
     "on_event": 7,
     "mlflow_tags": 7,
+    "training": "training-1",
 }
 
 
@@ -61,6 +64,7 @@ def good(existing_file: str) -> dict[str, Any]:
         "on_metrics": print,
         "on_event": print,
         "mlflow_tags": {"team": "ml"},
+        "training": TrainingTry("training-1", 2, (1, 2), last_try=False),
     }
 
 

@@ -246,3 +246,50 @@ def test_reports_from_threads_all_arrive(
         k * 1000 + i for k in range(4) for i in range(50)
     )
     assert sorted(r["step"] for r in records) == list(range(200))  # no step counted twice
+
+
+def test_rank_0_keeps_its_records_for_the_next_checkpoint_and_replays_them_marked(
+    driver: tuple[channel.ChannelServer, Metrics],
+    connect: Callable[[int], Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sparktorch_ops.rank import reporting
+
+    _, metrics = driver
+    monkeypatch.setenv("RANK", "0")
+    connect(0)
+    report(step=0, loss=1.0)
+    report(step=1, loss=0.5, progress=0.5)
+    carried = reporting.records_for_checkpoint()
+    assert [(r["step"], r["values"], r["progress"]) for r in carried] == [
+        (0, {"loss": 1.0}, None),
+        (1, {"loss": 0.5}, 0.5),
+    ]
+    # Younger than CARRY_S: the next checkpoint carries them again, with the new ones.
+    report(step=2, loss=0.25)
+    assert [r["step"] for r in reporting.records_for_checkpoint()] == [0, 1, 2]
+    monkeypatch.setattr(reporting, "CARRY_S", 0.0)
+    reporting.records_for_checkpoint()  # older than CARRY_S now: dropped after this one
+    report(step=3, loss=0.125)
+    assert [r["step"] for r in reporting.records_for_checkpoint()] == [3]
+
+    sent = reporting.replay([*carried, {"step": "x"}, {"values": {}}])
+    assert sent == 2  # the malformed ones are skipped
+    frames = metrics.wait_for(6)
+    assert [(r["step"], r["replayed"]) for r in frames[-2:]] == [(0, True), (1, True)]
+    assert all(r["replayed"] is None for r in frames[:4])
+    # What was replayed goes with the next checkpoint too.
+    assert [r["step"] for r in reporting.records_for_checkpoint()] == [0, 1]
+
+
+def test_other_ranks_keep_nothing(
+    driver: tuple[channel.ChannelServer, Metrics],
+    connect: Callable[[int], Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sparktorch_ops.rank import reporting
+
+    monkeypatch.setenv("RANK", "1")
+    connect(1)
+    report(step=0, loss=1.0)
+    assert reporting.records_for_checkpoint() == []
