@@ -7,13 +7,19 @@ to Airflow: an XCom summary, the task log, an extra link, and Airflow's exceptio
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
-# The common-compat provider (installed with Airflow) maps these onto each Airflow 3.x.
-from airflow.providers.common.compat.sdk import AirflowException, AirflowFailException
+# The common-compat provider (installed with Airflow) maps these onto each Airflow 3.x; below
+# Airflow 3.3 its ResumableJobMixin is a stand-in that trains afresh on every try.
+from airflow.providers.common.compat.sdk import (
+    AirflowException,
+    AirflowFailException,
+    ResumableJobMixin,
+)
 from airflow.sdk import BaseOperator
 
 from sparktorch_ops import events, options
@@ -25,6 +31,14 @@ from sparktorch_ops.airflow.connection import (
     session_settings,
 )
 from sparktorch_ops.airflow.links import MlflowRunLink, SparkUILink
+from sparktorch_ops.driver.durable import (
+    RESUMABLE,
+    SUCCEEDED,
+    RecordError,
+    TrainingRecord,
+    TrainingTry,
+    finished_line,
+)
 from sparktorch_ops.errors import ConfigError, SparkTorchError
 from sparktorch_ops.job import CancelToken, build_job
 from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
@@ -47,7 +61,7 @@ class TorchTrainingError(AirflowException):
 
 
 @options.documented("operator")
-class TorchDistributorOperator(BaseOperator):
+class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
     """Run a PyTorch training function or torchrun script with sparktorch_ops.
 
     Rank output goes to the task log live (``[rank N|host] line``; stdout at INFO, stderr at
@@ -68,13 +82,28 @@ class TorchDistributorOperator(BaseOperator):
     Bad input raises ``AirflowFailException`` before anything starts (no retry); failed,
     timed-out or cancelled training raises :class:`TorchTrainingError` (retried as configured).
 
+    **Durable** (``durable=True``, Airflow's default from 3.3 on): the tries of a task instance
+    are one training, kept in its ``task_state_store`` under ``sparktorch_training``
+    (``ResumableJobMixin``): one ``training_id`` (in the XCom), one checkpoint directory and
+    one MLflow run. A retry after a crash (an OOM-killed or evicted worker, a SIGKILL: no
+    ``on_kill`` runs) resumes from the latest committed checkpoint into the same MLflow run,
+    reopened to RUNNING and tagged ``sparktorch_ops.tries``; the metrics of every step up to
+    that checkpoint are in the run (a checkpoint carries rank 0's reports, and a resume
+    replays those the run lacks). A try that fails with a retry to come leaves the run
+    RUNNING; the last try, a success, bad input or a cancel end it. If the training had
+    succeeded and its summary was stored before the try died (in the XCom push), the retry
+    returns that summary without training. A task cleared after it succeeded starts a new
+    training. ``durable=False`` trains afresh into a new MLflow run on every try (each still
+    resumes from the task instance's checkpoints); below Airflow 3.3 ``durable`` has no effect.
+
     Without ``checkpoint_dir``, the task instance has its own,
-    ``<result_location>/checkpoints/<dag>/<run>/<task>~hash``, shared by its tries: a retry
-    resumes from the previous try's latest checkpoint, a new DAG run starts fresh (on a
-    multi-host cluster give storage every executor reaches). A tracked run is tagged with the
-    dag, run, task and try; the XCom gets ``mlflow_run_id`` and the "MLflow run" extra link its
-    page. Without ``mlflow_tracking_uri``, the ``host`` (with schema and port) of the Airflow
-    connection ``mlflow_conn_id`` is used when it exists, else ``MLFLOW_TRACKING_URI``.
+    ``<result_location>/checkpoints/<dag>/<run>/<task>~hash`` (``.../<training_id>`` when
+    durable), shared by its tries: a retry resumes from the previous try's latest checkpoint,
+    a new DAG run starts fresh (on a multi-host cluster give storage every executor reaches).
+    A tracked run is tagged with the dag, run, task and try; the XCom gets ``mlflow_run_id``
+    and the "MLflow run" extra link its page. Without ``mlflow_tracking_uri``, the ``host``
+    (with schema and port) of the Airflow connection ``mlflow_conn_id`` is used when it
+    exists, else ``MLFLOW_TRACKING_URI``.
 
     Args:
         train: the training function (called on every rank as ``train(*train_args,
@@ -98,6 +127,8 @@ class TorchDistributorOperator(BaseOperator):
         input_format: the format of ``input_path`` (default ``parquet``).
         mlflow_conn_id: Airflow connection holding the MLflow tracking URI (default
             ``mlflow_default``; optional).
+        durable: keep the training's identity across tries (see above); None: Airflow's
+            default for ``ResumableJobMixin`` operators (True from Airflow 3.3 on).
         **kwargs: BaseOperator arguments (``task_id``, ``retries``, ``execution_timeout``...).
     """
 
@@ -127,6 +158,8 @@ class TorchDistributorOperator(BaseOperator):
     mlflow_experiment: str | None
     mlflow_tracking_uri: str | None
     ui_color = "#ee4c2c"
+    # The task_state_store key of the training's record (renaming it breaks in-flight retries).
+    external_id_key = "sparktorch_training"
 
     def __init__(
         self,
@@ -162,8 +195,12 @@ class TorchDistributorOperator(BaseOperator):
         mlflow_tracking_uri: str | None = None,
         mlflow_all_ranks: bool = False,
         mlflow_conn_id: str = "mlflow_default",
+        durable: bool | None = None,
         **kwargs: Any,
     ) -> None:
+        # Named here (not left to **kwargs) so that default_args={"durable": ...} reaches it.
+        if durable is not None:
+            kwargs["durable"] = durable
         super().__init__(**kwargs)
         self.train = os.fspath(train) if isinstance(train, os.PathLike) else train
         self.train_args = list(train_args) if train_args is not None else []
@@ -182,8 +219,80 @@ class TorchDistributorOperator(BaseOperator):
         self.spark_ui_link: str | None = None
         # Made up front so that on_kill during templating is not lost; a fresh one per try.
         self._cancel_token = CancelToken()
+        self._summary: dict[str, Any] | None = None  # this try's, once it trained
 
     def execute(self, context: Context) -> dict[str, Any]:
+        """Train (or, durable, resume the training, or return its stored summary); return
+        the XCom summary."""
+        self._summary = None
+        return cast("dict[str, Any]", self.execute_resumable(context))
+
+    # ResumableJobMixin: the "external job" is the training, kept in the task_state_store.
+    def submit_job(self, context: Context) -> Any:
+        """A new training's record (None when not durable)."""
+        if not self.durable:
+            return None
+        return TrainingRecord.new(max_tries=context["ti"].max_tries).to_json()
+
+    def get_job_status(self, external_id: Any, context: Context) -> str:
+        """``resumable``, ``succeeded`` or ``cleared`` (see :class:`TrainingRecord`)."""
+        try:
+            return TrainingRecord.from_json(external_id).status(context["ti"].max_tries)
+        except RecordError as exc:
+            self.log.warning("sparktorch_ops: %s; starting a new training", exc)
+            return "unreadable"
+
+    def is_job_active(self, status: str) -> bool:
+        """An earlier try died or failed: this one resumes it."""
+        return status == RESUMABLE
+
+    def is_job_succeeded(self, status: str) -> bool:
+        """An earlier try succeeded and stored its summary: this one returns it."""
+        return status == SUCCEEDED
+
+    # The mixin returns what this returns when it reconnects (a retry): the summary, not None.
+    def poll_until_complete(  # type: ignore[override]
+        self, external_id: Any, context: Context
+    ) -> dict[str, Any]:
+        """Train this try (resuming the training ``external_id`` records); store and return
+        the summary."""
+        ti: Any = context["ti"]
+        store = context.get("task_state_store")
+        if external_id is None or store is None:  # not durable, or nowhere to keep it
+            self._summary = self._train(context, None)
+            return self._summary
+        record = TrainingRecord.from_json(external_id).with_try(ti.try_number)
+        self._store(store, record)
+
+        def on_mlflow_run(run_id: str) -> None:
+            nonlocal record
+            if record.mlflow_run_id != run_id:
+                record = record.with_mlflow_run(run_id)
+                self._store(store, record)
+
+        training = dataclasses.replace(
+            TrainingTry.of(record, ti.try_number, last_try=ti.try_number > ti.max_tries),
+            on_mlflow_run=on_mlflow_run,
+        )
+        summary = self._train(context, training)
+        # Stored before Airflow pushes the XCom: a try that dies now is not trained again.
+        self._store(store, record.finished(ti.try_number, summary))
+        self._summary = summary
+        return summary
+
+    def get_job_result(self, external_id: Any, context: Context) -> dict[str, Any]:
+        """This try's summary, or the one an earlier try stored."""
+        if self._summary is not None:
+            return self._summary
+        record = TrainingRecord.from_json(external_id)
+        self.log.info(finished_line(record))
+        return cast("dict[str, Any]", record.result)
+
+    def _store(self, store: Any, record: TrainingRecord) -> None:
+        if store is not None:
+            store.set(self.external_id_key, record.to_json())
+
+    def _train(self, context: Context, training: TrainingTry | None) -> dict[str, Any]:
         """Build the job from the rendered arguments, run it, return the XCom summary."""
         self.spark_ui_link = ""
         self.mlflow_run_link = ""
@@ -195,7 +304,9 @@ class TorchDistributorOperator(BaseOperator):
             launch = {
                 **options.values_of("operator", self),
                 "checkpoint_dir": self.checkpoint_dir
-                or task_instance.default_checkpoint_dir(ti, location),
+                or task_instance.default_checkpoint_dir(
+                    ti, location, training.training_id if training else None
+                ),
                 "mlflow_tracking_uri": mlflow_tracking_uri(
                     self.mlflow_tracking_uri, self.mlflow_experiment, self.mlflow_conn_id, self.log
                 ),
@@ -214,6 +325,7 @@ class TorchDistributorOperator(BaseOperator):
                 on_event=lambda event: self._on_event(event, ti),
                 cancel_token=token,
                 data=data,
+                training=training,
                 **launch,
             )
             from sparktorch_ops.distributor import launch_job

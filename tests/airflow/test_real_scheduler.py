@@ -1,12 +1,16 @@
 """Under Airflow's real components: the scheduler with the LocalExecutor, the DAG processor and
 the API server (harness/airflow_services.py), on SQLite. The example DAG runs on its
-schedule; barrier-mode training is marked failed, times out and is retried, and no process of
-a stopped try is left.
+schedule; barrier-mode training is marked failed, times out, and has its task process
+SIGKILLed and is retried (a durable training), and no process of a stopped try is left.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,10 +21,11 @@ from harness.airflow_services import (
     RankWatcher,
     running_airflow,
     seconds_until_gone,
+    task_process_tree,
 )
 from tests.airflow.conftest import ROOT, TEST_DAGS
 
-FAULT_DAGS = ("sto_scheduled_mark_failed", "sto_scheduled_timeout", "sto_scheduled_flaky")
+FAULT_DAGS = ("sto_scheduled_mark_failed", "sto_scheduled_timeout", "sto_scheduled_durable")
 ERROR_LEVELS = {"error", "critical", "exception", "fatal"}
 
 
@@ -45,11 +50,13 @@ def fault_runs(
 ) -> Iterator[Any]:
     """One run of each fault DAG, triggered together (they train side by side)."""
     markers = RankMarkers(tmp_path_factory.mktemp("markers"))
+    mlflow = f"sqlite:///{markers.path / 'mlflow.db'}"
     runs = {}
     for dag_id in FAULT_DAGS:
         airflow_services.wait_for_dag(dag_id)
         airflow_services.unpause(dag_id)
-        runs[dag_id] = airflow_services.trigger(dag_id, {"markers": str(markers.path)})
+        conf = {"markers": str(markers.path), "mlflow": mlflow}
+        runs[dag_id] = airflow_services.trigger(dag_id, conf)
     watcher = RankWatcher(airflow_services, markers, list(FAULT_DAGS))
     yield markers, runs, watcher
     watcher.stop()
@@ -136,25 +143,58 @@ def test_execution_timeout_stops_every_process_of_the_try(
     assert any("timed out" in event.lower() for _, event in _levels(log)), _levels(log)[-30:]
 
 
-def test_a_failed_training_try_is_retried_and_the_retry_trains(
+def test_a_training_whose_task_process_is_killed_is_continued_by_the_retry(
     airflow_services: AirflowServices, fault_runs: Any
 ) -> None:
-    markers, runs, _ = fault_runs
-    dag_id = "sto_scheduled_flaky"
-    assert airflow_services.wait_for_run(dag_id, runs[dag_id], timeout=600) == "success"
-    instance = airflow_services.task_instance(dag_id, runs[dag_id], "train")
+    """SIGKILL of the task process (no on_kill runs) right after step 3's checkpoint: the retry
+    resumes from step 3 into the same MLflow run, which ends FINISHED with every step's
+    metric; nothing of the killed try is left."""
+    from mlflow.tracking import MlflowClient
+
+    markers, runs, watcher = fault_runs
+    dag_id = "sto_scheduled_durable"
+    run_id = runs[dag_id]
+    airflow_services.wait_until(
+        "step 3's checkpoint", lambda: (markers.path / f"{dag_id}.1.committed3").exists(), 400
+    )
+    processes, run_marker = watcher.processes(dag_id, 1)
+    rank_pid = markers.ranks(dag_id, 1)[0][0]
+    task_process = task_process_tree(rank_pid, airflow_services.processes["scheduler"].pid)[-1]
+    os.kill(task_process.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    airflow_services.wait_until(
+        "the retry's ranks", lambda: len(markers.ranks(dag_id, 2)) == 2, 300, every=0.2
+    )
+    print(f"\nSIGKILL of the task process -> training again: {time.monotonic() - killed:.1f} s")
+    seconds_until_gone(processes, run_marker, timeout=60)
+    assert airflow_services.wait_for_run(dag_id, run_id, timeout=400) == "success"
+    instance = airflow_services.task_instance(dag_id, run_id, "train")
     assert (instance["state"], instance["try_number"]) == ("success", 2)
-    assert len(markers.ranks(dag_id, 1)) >= 1 and len(markers.ranks(dag_id, 2)) == 2
-    first = _levels(airflow_services.task_log(dag_id, runs[dag_id], "train", 1))
-    assert any("fails on the first try" in event for _, event in first), first[-30:]
-    second = airflow_services.task_log(dag_id, runs[dag_id], "train", 2)
-    assert any(event.startswith("[rank 0|") for _, event in _levels(second))
-    assert _errors(second) == []
     xcom = airflow_services.api(
-        "GET",
-        f"/dags/{dag_id}/dagRuns/{runs[dag_id]}/taskInstances/train/xcomEntries/return_value",
+        "GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/train/xcomEntries/return_value"
     )["value"]
-    assert xcom["value"] == "trained on try 2", xcom
+    assert xcom["value"] == {"start": 3, "ran": [4, 5], "total": 15.0}, xcom
+
+    client = MlflowClient(f"sqlite:///{Path(markers.path) / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("sto-durable")
+    tracked = client.search_runs([experiment.experiment_id], f"tags.`airflow.run_id` = '{run_id}'")
+    assert len(tracked) == 1, [(r.info.run_id, r.info.status) for r in tracked]
+    run = tracked[0]
+    assert run.info.run_id == xcom["mlflow_run_id"] and run.info.status == "FINISHED"
+    assert run.data.tags["sparktorch_ops.tries"] == "1,2"
+    assert run.data.tags["sparktorch_ops.training_id"] == xcom["training_id"]
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "total")]
+    assert sorted(set(steps)) == [0, 1, 2, 3, 4, 5], steps  # step 3's included
+    second_log = airflow_services.task_log(dag_id, run_id, "train", 2)
+    second = _levels(second_log)
+    line = (
+        f"sparktorch_ops: try 2 of the training {xcom['training_id']}: resuming from step 3 "
+        f"(checkpoint), MLflow run {run.info.run_id}"
+    )
+    assert ("info", line) in second, second[-40:]
+    assert _errors(second_log) == []
+    filled = [event for _, event in second if "were missing from MLflow run" in event]
+    print(f"replayed from the checkpoint: {filled or 'nothing was missing'}")
 
 
 def test_the_sweep_dag_trains_its_learning_rates_at_once(

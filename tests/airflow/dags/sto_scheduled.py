@@ -1,6 +1,6 @@
 """Test DAGs run by the real scheduler (tests/airflow/test_real_scheduler.py): barrier-mode
-training on an embedded Spark (``local[2]``) that is marked failed, times out, or fails once
-and is retried.
+training on an embedded Spark (``local[2]``) that is marked failed, times out, or whose task
+process is SIGKILLed mid-training and is retried.
 
 Each rank writes ``<markers>/<dag>.<try>.rank<N>`` (its pid and the run marker) before it
 trains, so the test knows which processes to watch.
@@ -20,34 +20,53 @@ from sparktorch_ops.airflow import TorchDistributorOperator
 SPARK = {"spark.master": "local[2]", "spark.ui.enabled": "false"}
 
 
-def announce_and_train(markers: str, name: str, try_number: int | str, seconds: float) -> str:
-    """Write this rank's marker, print a line, then train (sleep) ``seconds``.
-
-    A rank of a DAG whose name ends in ``flaky`` fails on the first try.
-    """
-    rank, try_number = os.environ["RANK"], int(try_number)  # a rendered template: a str
-    path = os.path.join(markers, f"{name}.{try_number}.rank{rank}")
+def _mark(markers: str, name: str) -> None:
+    """Write ``<markers>/<name>`` (this process's pid and the run marker) atomically."""
+    path = os.path.join(markers, name)
     with open(path + ".tmp", "w") as handle:
         handle.write(f"{os.getpid()} {os.environ['SPARKTORCH_OPS_RUN_ID']}")
     os.replace(path + ".tmp", path)
+
+
+def announce_and_train(markers: str, name: str, try_number: int | str, seconds: float) -> str:
+    """Write this rank's marker, print a line, then train (sleep) ``seconds``."""
+    rank, try_number = os.environ["RANK"], int(try_number)  # a rendered template: a str
+    _mark(markers, f"{name}.{try_number}.rank{rank}")
     print(f"training started on rank {rank} (try {try_number})", flush=True)
-    if name.endswith("flaky") and try_number == 1:
-        raise RuntimeError(f"rank {rank} fails on the first try")
     time.sleep(seconds)
     return f"trained on try {try_number}"
 
 
-def _dag(dag_id: str, seconds: float, **task_args: object) -> DAG:
+def train_until_killed(markers: str, name: str, try_number: int | str, steps: int) -> dict:
+    """:func:`~tests.support.checkpointed.checkpointed_steps` whose first try marks
+    ``<name>.1.committed3`` once step 3's checkpoint is committed, then waits to be killed."""
+    from tests.support.checkpointed import checkpointed_steps
+
+    rank, try_number = os.environ["RANK"], int(try_number)
+    _mark(markers, f"{name}.{try_number}.rank{rank}")
+
+    def wait_to_be_killed(step: int) -> None:
+        if try_number == 1 and step == 3:
+            if rank == "0":
+                _mark(markers, f"{name}.1.committed3")
+            time.sleep(600)  # the test SIGKILLs the task process now
+
+    return checkpointed_steps(steps, wait_to_be_killed)
+
+
+def _dag(
+    dag_id: str, seconds: float, train: object = announce_and_train, **task_args: object
+) -> DAG:
     with DAG(
         dag_id=dag_id,
         schedule=None,
         start_date=pendulum.datetime(2025, 1, 1, tz="UTC"),
         catchup=False,
-        params={"markers": "/tmp"},
+        params={"markers": "/tmp", "mlflow": ""},
     ) as dag:
         TorchDistributorOperator(
             task_id="train",
-            train=announce_and_train,
+            train=train,  # type: ignore[arg-type]
             train_args=["{{ params.markers }}", dag_id, "{{ ti.try_number }}", seconds],
             num_processes=2,
             local_mode=False,
@@ -64,7 +83,13 @@ sto_scheduled_mark_failed = _dag("sto_scheduled_mark_failed", 600)
 sto_scheduled_timeout = _dag(
     "sto_scheduled_timeout", 600, execution_timeout=datetime.timedelta(seconds=75)
 )
-# The first try fails; Airflow retries it and the second try trains.
-sto_scheduled_flaky = _dag(
-    "sto_scheduled_flaky", 2, retries=1, retry_delay=datetime.timedelta(seconds=1)
+# The test SIGKILLs the first try's task process mid-training; the retry continues the training.
+sto_scheduled_durable = _dag(
+    "sto_scheduled_durable",
+    6,
+    train_until_killed,
+    retries=1,
+    retry_delay=datetime.timedelta(seconds=0),
+    mlflow_tracking_uri="{{ params.mlflow }}",
+    mlflow_experiment="sto-durable",
 )
