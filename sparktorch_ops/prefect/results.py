@@ -1,10 +1,10 @@
 """The Prefect task run's own things: where its result and checkpoints go, its MLflow tags,
-and which failures Prefect retries."""
+its durable training's record, and which failures Prefect retries."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.context import TaskRunContext
 from prefect.states import State
 
+from sparktorch_ops.driver.durable import RecordError, RecordFile, TrainingRecord, TrainingTry
 from sparktorch_ops.outcome import outcome_of
 
 
@@ -62,6 +63,36 @@ def result_location(ctx: TaskRunContext | None, value: Any) -> str:
         where = f"{str(base).rstrip('/')}/{key}" if base else f"key {key}"
         return f"{kind}, persisted in Prefect result storage at `{where}`"
     return f"{kind}, persisted in Prefect result storage" + (f" under `{base}`" if base else "")
+
+
+def training_of(ctx: TaskRunContext | None, log: Any) -> TrainingTry | None:
+    """This try of the task run's durable training: its record is kept in a file under
+    Prefect's local storage path (``.../sparktorch_ops/trainings/<task run id>.json``), made
+    by the first try; the tries are Prefect's ``run_count``. None outside a task run."""
+    if ctx is None:
+        return None
+    from prefect.settings import get_current_settings
+
+    base = Path(get_current_settings().results.local_storage_path).expanduser()
+    store = RecordFile(base / "sparktorch_ops" / "trainings" / f"{ctx.task_run.id}.json")
+    try:
+        stored = store.get()
+        record = TrainingRecord.from_json(stored) if stored is not None else TrainingRecord.new()
+    except RecordError as exc:
+        log.warning("sparktorch_ops: %s; starting a new training", exc)
+        record = TrainingRecord.new()
+    try_number = max(1, ctx.task_run.run_count)
+    record = record.with_try(try_number)
+    store.set(record.to_json())
+
+    def on_mlflow_run(run_id: str) -> None:
+        nonlocal record
+        if record.mlflow_run_id != run_id:
+            record = record.with_mlflow_run(run_id)
+            store.set(record.to_json())
+
+    last_try = try_number > (ctx.task.retries or 0)
+    return replace(TrainingTry.of(record, try_number, last_try), on_mlflow_run=on_mlflow_run)
 
 
 def default_checkpoint_dir(ctx: TaskRunContext | None) -> str | None:

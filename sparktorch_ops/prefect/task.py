@@ -34,6 +34,7 @@ from sparktorch_ops.prefect.results import (
     mlflow_tags,
     result_location,
     retry_unless_bad_input,
+    training_of,
 )
 from sparktorch_ops.spark.dataframe import DataInput
 
@@ -81,6 +82,7 @@ def run_torch_distributor(
     mlflow_experiment: str | None = None,
     mlflow_tracking_uri: str | None = None,
     mlflow_all_ranks: bool = False,
+    durable: bool = True,
 ) -> Any:
     """Run a training function or script on ``num_processes`` ranks; return rank 0's value.
 
@@ -122,6 +124,10 @@ def run_torch_distributor(
             query, table or path read on the run's session; the summary gives its rows and
             columns. Not part of any cache key.
         input_format: the format of ``input_path`` (default ``parquet``).
+        durable: the task run's tries are one training (default): a retry resumes from the
+            latest checkpoint into the same MLflow run (reopened, tagged
+            ``sparktorch_ops.tries``; every step up to that checkpoint has its metrics there),
+            and only the last try ends it. False: each try is a new MLflow run.
 
     Returns:
         Rank 0's return value (a function) or rank 0's stdout (a script).
@@ -151,6 +157,7 @@ def run_torch_distributor(
         on_metrics=report.recorder.on_metrics if report.recorder is not None else None,
         on_event=report.on_event,
         data=data,
+        training=training_of(ctx, logger) if durable else None,
         **launch,
     )
     report.start(describe(job.payload), job.options.num_processes, job.mode, use_gpu)
@@ -159,5 +166,13 @@ def run_torch_distributor(
     except BaseException as exc:
         report.failed(exc)
         raise
-    report.completed(result, result_location(ctx, result.value))
+    try:
+        report.completed(result, result_location(ctx, result.value))
+    except Exception as exc:  # a retry would train the finished training again
+        logger.warning(
+            "sparktorch_ops: the training succeeded but its artifacts could not be written "
+            "(%s: %s); returning its result",
+            type(exc).__name__,
+            exc,
+        )
     return result.value

@@ -131,15 +131,26 @@ def test_progress_artifact_is_updated_live(tmp_path: Path) -> None:
     assert artifacts["live-progress"].data == 100
 
 
-def test_a_retry_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
+def test_a_retry_resumes_from_the_last_checkpoint_into_the_same_mlflow_run(
+    tmp_path: Path,
+) -> None:
+    from mlflow.tracking import MlflowClient
+
     from tests.support.checkpointed import steps_with_one_failure
 
     retried = run_torch_distributor.with_options(name="resumed", retries=1, retry_delay_seconds=0)
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
 
     @flow
     def with_retry(marker: str) -> dict[str, Any]:
         return retried(
-            steps_with_one_failure, (4, marker), num_processes=2, local_mode=True, use_gpu=False
+            steps_with_one_failure,
+            (4, marker),
+            num_processes=2,
+            local_mode=True,
+            use_gpu=False,
+            mlflow_tracking_uri=tracking,
+            mlflow_experiment="resumed",
         )
 
     marker = tmp_path / "failed-once"
@@ -163,6 +174,18 @@ def test_a_retry_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
     assert f"/sparktorch_ops/checkpoints/{flow_run_id}/" in resumed[0]
     summary = flow_run_artifacts(flow_run_id)["resumed-summary"].data
     assert ": completed" in summary and "resumed from step 1; latest step 3" in summary
+    # One training: one MLflow run for both tries, ended by the last; every step's metric.
+    client = MlflowClient(tracking)
+    [run] = client.search_runs([client.get_experiment_by_name("resumed").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.tags["sparktorch_ops.tries"] == "1,2"
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "total"))
+    assert steps == [0, 1, 2, 3], steps  # step 1 of the first try once: the replay skips it
+    training = run.data.tags["sparktorch_ops.training_id"]
+    line = (
+        f"sparktorch_ops: try 2 of the training {training}: resuming from step 1 (checkpoint), "
+        f"MLflow run {run.info.run_id}"
+    )
+    assert line in logs, [entry for entry in logs if "try 2" in entry]
 
 
 @pytest.mark.parametrize("call", ["direct", "submit"])
