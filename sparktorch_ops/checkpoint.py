@@ -107,9 +107,9 @@ __all__ = [
 COMMIT_MARKER = "COMMITTED"
 """The file that makes a step directory a checkpoint; written last, by rank 0."""
 REPORTS_FILE = "reports.json"
-"""Rank 0's ``report()`` records since the previous checkpoint (and at least its last
-minute's), written before the marker; :func:`load_latest` sends them again on a resume, so a
-committed checkpoint implies its steps' metrics reach MLflow even if the driver died first."""
+"""Rank 0's ``report()`` records of the last five minutes (``reporting.CARRY_S``), written
+before the marker; :func:`load_latest` sends them again on a resume, so a committed
+checkpoint implies its steps' metrics reach MLflow even if the driver died first."""
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _DCP_METADATA = ".metadata"

@@ -7,6 +7,7 @@ driver had not passed on to MLflow when its process died is not lost to a retry.
 
 from __future__ import annotations
 
+import collections
 import math
 import numbers
 import os
@@ -19,14 +20,17 @@ from typing import Any
 from sparktorch_ops.wire import channel
 from sparktorch_ops.wire.messages import MessageError, MetricReport
 
-# A checkpoint carries rank 0's records since the previous checkpoint, and at least those of
-# this many seconds before it (the driver sends to MLflow every half second or so).
-CARRY_S = 60.0
+# A checkpoint carries rank 0's records of this many seconds before it (the driver sends them
+# to MLflow within a second or so; older ones are lost only if MLflow was down), at most
+# CARRY_MAX of them, so a long training without checkpoints keeps bounded memory.
+CARRY_S = 300.0
+CARRY_MAX = 100_000
 
 _lock = threading.Lock()
 _client: channel.ChannelClient | None = None
 _next_step = 0
-_kept: list[tuple[float, dict[str, Any]]] = []  # (monotonic time kept, record), rank 0 only
+# (monotonic time kept, record), rank 0 only
+_kept: collections.deque[tuple[float, dict[str, Any]]] = collections.deque(maxlen=CARRY_MAX)
 
 
 def install(client: channel.ChannelClient | None) -> None:
@@ -39,13 +43,17 @@ def install(client: channel.ChannelClient | None) -> None:
 
 
 def records_for_checkpoint() -> list[dict[str, Any]]:
-    """Rank 0's records a checkpoint saved now carries (empty on other ranks): those since
-    the previous checkpoint, and those of the last :data:`CARRY_S` seconds."""
+    """Rank 0's records a checkpoint saved now carries (empty on other ranks): those of the
+    last :data:`CARRY_S` seconds."""
     with _lock:
-        records = [record for _, record in _kept]
-        cutoff = time.monotonic() - CARRY_S
-        _kept[:] = [(kept, record) for kept, record in _kept if kept >= cutoff]
-    return records
+        _drop_old()
+        return [record for _, record in _kept]
+
+
+def _drop_old() -> None:
+    cutoff = time.monotonic() - CARRY_S
+    while _kept and _kept[0][0] < cutoff:
+        _kept.popleft()
 
 
 def replay(records: Iterable[Mapping[str, Any]]) -> int:
@@ -86,6 +94,7 @@ def _keep(message: MetricReport) -> None:
     }
     with _lock:
         _kept.append((time.monotonic(), record))
+        _drop_old()
 
 
 def _scalar(key: str, value: Any) -> Any:
