@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +45,36 @@ def airflow_services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Airfl
         yield services
 
 
+class KillAfterStep3:
+    """SIGKILLs the task process of ``sto_scheduled_durable``'s first try as soon as its step 3
+    checkpoint is committed, whichever test runs then (as an OOM kill would: no ``on_kill``)."""
+
+    def __init__(self, airflow: AirflowServices, markers: RankMarkers) -> None:
+        self.dag_id = "sto_scheduled_durable"
+        self.killed_at: float | None = None
+        self.error: str | None = None
+        self._airflow, self._markers = airflow, markers
+        self._thread = threading.Thread(target=self._kill, daemon=True)
+        self._thread.start()
+
+    def _kill(self) -> None:
+        marker = self._markers.path / f"{self.dag_id}.1.committed3"
+        deadline = time.monotonic() + 900
+        try:
+            while not marker.exists():
+                if time.monotonic() > deadline:
+                    self.error = "step 3's checkpoint was never committed"
+                    return
+                time.sleep(0.1)
+            rank_pid = self._markers.ranks(self.dag_id, 1)[0][0]
+            scheduler = self._airflow.processes["scheduler"].pid
+            task_process = task_process_tree(rank_pid, scheduler)[-1]
+            os.kill(task_process.pid, signal.SIGKILL)
+            self.killed_at = time.time()  # wall clock: compared with marker files' mtimes
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+
+
 @pytest.fixture(scope="module")
 def fault_runs(
     airflow_services: AirflowServices, tmp_path_factory: pytest.TempPathFactory
@@ -58,7 +89,8 @@ def fault_runs(
         conf = {"markers": str(markers.path), "mlflow": mlflow}
         runs[dag_id] = airflow_services.trigger(dag_id, conf)
     watcher = RankWatcher(airflow_services, markers, list(FAULT_DAGS))
-    yield markers, runs, watcher
+    killer = KillAfterStep3(airflow_services, markers)
+    yield markers, runs, watcher, killer
     watcher.stop()
 
 
@@ -117,7 +149,7 @@ def test_the_example_dag_runs_on_its_schedule(
 def test_marking_a_training_task_failed_stops_every_process_of_the_try(
     airflow_services: AirflowServices, fault_runs: Any
 ) -> None:
-    _, runs, watcher = fault_runs
+    _, runs, watcher, _ = fault_runs
     dag_id = "sto_scheduled_mark_failed"
     processes, run_marker = watcher.processes(dag_id)
     assert len(processes) >= 4, processes  # the ranks, their launcher(s), the task process
@@ -132,7 +164,7 @@ def test_marking_a_training_task_failed_stops_every_process_of_the_try(
 def test_execution_timeout_stops_every_process_of_the_try(
     airflow_services: AirflowServices, fault_runs: Any
 ) -> None:
-    _, runs, watcher = fault_runs
+    _, runs, watcher, _ = fault_runs
     dag_id = "sto_scheduled_timeout"
     # The try may have timed out already (the tests before this one take minutes).
     processes, run_marker = watcher.processes(dag_id)
@@ -151,21 +183,20 @@ def test_a_training_whose_task_process_is_killed_is_continued_by_the_retry(
     metric; nothing of the killed try is left."""
     from mlflow.tracking import MlflowClient
 
-    markers, runs, watcher = fault_runs
+    markers, runs, watcher, killer = fault_runs
     dag_id = "sto_scheduled_durable"
     run_id = runs[dag_id]
     airflow_services.wait_until(
-        "step 3's checkpoint", lambda: (markers.path / f"{dag_id}.1.committed3").exists(), 400
+        "the kill after step 3's checkpoint", lambda: killer.killed_at or killer.error, 900
     )
+    assert killer.error is None, killer.error
     processes, run_marker = watcher.processes(dag_id, 1)
-    rank_pid = markers.ranks(dag_id, 1)[0][0]
-    task_process = task_process_tree(rank_pid, airflow_services.processes["scheduler"].pid)[-1]
-    os.kill(task_process.pid, signal.SIGKILL)
-    killed = time.monotonic()
     airflow_services.wait_until(
         "the retry's ranks", lambda: len(markers.ranks(dag_id, 2)) == 2, 300, every=0.2
     )
-    print(f"\nSIGKILL of the task process -> training again: {time.monotonic() - killed:.1f} s")
+    assert killer.killed_at is not None
+    retried = max((markers.path / f"{dag_id}.2.rank{r}").stat().st_mtime for r in (0, 1))
+    print(f"\nSIGKILL of the task process -> training again: {retried - killer.killed_at:.1f} s")
     seconds_until_gone(processes, run_marker, timeout=60)
     assert airflow_services.wait_for_run(dag_id, run_id, timeout=400) == "success"
     instance = airflow_services.task_instance(dag_id, run_id, "train")

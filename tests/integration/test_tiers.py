@@ -68,6 +68,7 @@ def test_every_test_has_one_tier_from_its_directory_and_fixtures(tmp_path: Path)
             "integration"
         ),
         "tests/airflow/test_operator.py::test_templated_fields_are_rendered": "integration",
-        "tests/prefect/test_task.py::test_a_retry_resumes_from_the_last_checkpoint": "integration",
+        "tests/prefect/test_task.py::"
+        "test_a_retry_resumes_from_the_last_checkpoint_into_the_same_mlflow_run": "integration",
     }
     assert {nodeid: tiers.get(nodeid) for nodeid in expected} == expected

@@ -38,20 +38,36 @@ def announce_and_train(markers: str, name: str, try_number: int | str, seconds: 
 
 
 def train_until_killed(markers: str, name: str, try_number: int | str, steps: int) -> dict:
-    """:func:`~tests.support.checkpointed.checkpointed_steps` whose first try marks
-    ``<name>.1.committed3`` once step 3's checkpoint is committed, then waits to be killed."""
-    from tests.support.checkpointed import checkpointed_steps
+    """A step counter saved every step, each step's ``total`` reported; the first try marks
+    ``<name>.1.committed3`` once step 3's checkpoint is committed, then waits to be killed.
+
+    (The loop of tests/support/checkpointed.py, written out: under the real scheduler neither
+    the DAG processor nor the ranks can import ``tests``.)
+    """
+    import torch
+    import torch.distributed as dist
+
+    from sparktorch_ops import checkpoint, report
 
     rank, try_number = os.environ["RANK"], int(try_number)
     _mark(markers, f"{name}.{try_number}.rank{rank}")
-
-    def wait_to_be_killed(step: int) -> None:
-        if try_number == 1 and step == 3:
-            if rank == "0":
-                _mark(markers, f"{name}.1.committed3")
-            time.sleep(600)  # the test SIGKILLs the task process now
-
-    return checkpointed_steps(steps, wait_to_be_killed)
+    dist.init_process_group("gloo")
+    try:
+        state = {"total": torch.zeros(1)}
+        start = checkpoint.load_latest(state)
+        ran = []
+        for step in range(0 if start is None else start + 1, steps):
+            state["total"] += step
+            report(step=step, total=float(state["total"]))
+            checkpoint.save(state, step)
+            ran.append(step)
+            if try_number == 1 and step == 3:
+                if rank == "0":
+                    _mark(markers, f"{name}.1.committed3")
+                time.sleep(600)  # the test SIGKILLs the task process now
+        return {"start": start, "ran": ran, "total": float(state["total"])}
+    finally:
+        dist.destroy_process_group()
 
 
 def _dag(
