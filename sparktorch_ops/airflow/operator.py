@@ -286,7 +286,9 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
             return self._summary
         record = TrainingRecord.from_json(external_id)
         self.log.info(finished_line(record))
-        return cast("dict[str, Any]", record.result)
+        summary = cast("dict[str, Any]", record.result)
+        self.mlflow_run_link = summary.get("mlflow_run_url") or ""
+        return summary
 
     def _store(self, store: Any, record: TrainingRecord) -> None:
         if store is not None:
