@@ -24,7 +24,8 @@ every 0.5 s for the stage's duration. 5 s after both tasks started client 1 gets
 The tasks' runtime after the kill, whether they completed, what the second client got (rows or
 the server's error verbatim) and the server's log lines for the operation are reported. Only
 the first setting runs every scenario; the others run ``observe``. Nothing here imports the
-package or the tests: only pyspark, pyarrow, grpc and psutil. Takes about 8 minutes.
+package or the tests: only pyspark, pyarrow, grpc, psutil and harness/connect_server.py.
+Takes about 8 minutes.
 
     python benchmarks/connect_detach.py [--settings 15:20,40:20,15:default] [--json out.json]
 """
@@ -36,7 +37,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,7 +45,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: harness/
+
+from harness.connect_server import ConnectServer, spark_home
+
 KILL_AFTER_S = 5.0
 MAINTENANCE_S = 5  # spark.connect.execute.manager.maintenanceInterval (default 30s)
 STAGE_SCHEMA = "partition long, ticks long, start double, end double"
@@ -170,16 +173,22 @@ def role_run(args: argparse.Namespace) -> None:
     emit(event="result", rows=table.to_pylist())
 
 
-def _reattach_request(client: Any, operation_id: str, last: str | None) -> Any:
-    import pyspark.sql.connect.proto as pb2
-
-    req = pb2.ReattachExecuteRequest(
+def _for_operation(request_type: Any, client: Any, operation_id: str) -> Any:
+    """A request about ``operation_id`` in ``client``'s session, as its user."""
+    req = request_type(
         session_id=client._session_id,
         operation_id=operation_id,
         client_type=client._builder.userAgent,
     )
     if client._user_id:
         req.user_context.user_id = client._user_id
+    return req
+
+
+def _reattach_request(client: Any, operation_id: str, last: str | None) -> Any:
+    import pyspark.sql.connect.proto as pb2
+
+    req = _for_operation(pb2.ReattachExecuteRequest, client, operation_id)
     if last:
         req.last_response_id = last
     return req
@@ -237,13 +246,7 @@ def reattach_and_read(
             "waited_s": time.time() - started,
         }
     with contextlib.suppress(Exception):
-        release = pb2.ReleaseExecuteRequest(
-            session_id=client._session_id,
-            operation_id=operation_id,
-            client_type=client._builder.userAgent,
-        )
-        if client._user_id:
-            release.user_context.user_id = client._user_id
+        release = _for_operation(pb2.ReleaseExecuteRequest, client, operation_id)
         release.release_all.CopyFrom(pb2.ReleaseExecuteRequest.ReleaseAll())
         client._stub.ReleaseExecute(release, metadata=client._builder.metadata())
     return {
@@ -298,107 +301,17 @@ def role_interrupt(args: argparse.Namespace) -> None:
 
 
 # -- the parent: server, clients, markers -------------------------------------------------------
-def _spark_home() -> str:
-    import pyspark
-
-    return os.path.dirname(pyspark.__file__)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _env() -> dict[str, str]:
     drop = ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", "SPARK_LOCAL_REMOTE", "SPARK_API_MODE")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(
-        SPARK_HOME=_spark_home(),
+        SPARK_HOME=spark_home(),
         SPARK_LOCAL_IP="127.0.0.1",
         PYSPARK_PYTHON=sys.executable,
         PYSPARK_DRIVER_PYTHON=sys.executable,
         PYTHONUNBUFFERED="1",
     )
     return env
-
-
-class Server:
-    def __init__(self, workdir: Path, confs: dict[str, str]) -> None:
-        self.port = _free_port()
-        self.url = f"sc://127.0.0.1:{self.port}"
-        self.log_path = workdir / "connect-server.log"
-        settings = {
-            "spark.connect.grpc.binding.port": str(self.port),
-            "spark.connect.grpc.binding.address": "127.0.0.1",
-            "spark.driver.host": "127.0.0.1",
-            "spark.driver.bindAddress": "127.0.0.1",
-            "spark.ui.showConsoleProgress": "false",
-            "spark.ui.enabled": "false",
-            "spark.driver.memory": "1g",
-            **confs,
-        }
-        command = [os.path.join(_spark_home(), "bin", "spark-submit"), "--class", SERVER_CLASS]
-        command += ["--master", "local[2]"]
-        for key, value in settings.items():
-            command += ["--conf", f"{key}={value}"]
-        with open(self.log_path, "wb") as out:
-            self.process = subprocess.Popen(
-                [*command, "spark-internal"],
-                cwd=workdir,
-                env=_env(),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def wait_ready(self, timeout: float = 180.0) -> float:
-        started = time.monotonic()
-        while time.monotonic() - started < timeout:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"Connect server exited:\n{self.log()[-4000:]}")
-            with socket.socket() as sock:
-                sock.settimeout(1)
-                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return time.monotonic() - started
-            time.sleep(0.5)
-        raise TimeoutError(f"Connect server not up in {timeout} s:\n{self.log()[-4000:]}")
-
-    def stop(self) -> None:
-        import psutil
-
-        try:
-            others = psutil.Process(self.process.pid).children(recursive=True)
-        except psutil.Error:
-            others = []
-        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, sig)
-            for proc in others:
-                with contextlib.suppress(psutil.Error):
-                    proc.send_signal(sig)
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                gone = self.process.poll() is not None and not any(_alive(proc) for proc in others)
-                if gone:
-                    return
-                time.sleep(0.2)
-
-
-def _alive(proc: Any) -> bool:
-    import psutil
-
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 class Client:
@@ -499,7 +412,7 @@ def wait_quiet(marker_dir: Path, timeout: float, quiet_s: float = 4.0) -> None:
         time.sleep(0.5)
 
 
-def server_lines(server: Server, operation_id: str, since_len: int) -> list[str]:
+def server_lines(server: ConnectServer, operation_id: str, since_len: int) -> list[str]:
     keys = (operation_id, "abandon", "Abandon", "detached", "interrupt", "Interrupt", "cancel")
     out = []
     for line in server.log()[since_len:].splitlines():
@@ -510,7 +423,7 @@ def server_lines(server: Server, operation_id: str, since_len: int) -> list[str]
 
 def _run_client(
     workdir: Path,
-    server: Server,
+    server: ConnectServer,
     name: str,
     session_id: str,
     op: str,
@@ -549,7 +462,7 @@ FOLLOW_UPS = {
 
 def _second_client(
     workdir: Path,
-    server: Server,
+    server: ConnectServer,
     name: str,
     session_id: str,
     op: str,
@@ -593,7 +506,7 @@ def _second_client(
 
 def scenario_kill_and_watch(
     workdir: Path,
-    server: Server,
+    server: ConnectServer,
     setting: dict[str, Any],
     name: str,
     duration: float,
@@ -703,9 +616,13 @@ def measure(settings: list[dict[str, Any]], workroot: Path) -> dict[str, Any]:
         }
         if stream_s is not None:
             confs["spark.connect.execute.reattachable.senderMaxStreamDuration"] = f"{stream_s}s"
-        server = Server(workdir, confs)
+        server = ConnectServer(
+            workdir,
+            confs={"spark.ui.enabled": "false", "spark.driver.memory": "1g", **confs},
+            env={"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable},
+        )
         try:
-            ready_s = server.wait_ready()
+            ready_s = server.wait_listening(180.0)
             servers.append({**setting, "port_open_s": round(ready_s, 1), "confs": confs})
             print(f"[detach] server up {confs} in {ready_s:.0f}s", file=sys.stderr, flush=True)
             # Long enough to see the server stop it (stream end + detachedTimeout + a

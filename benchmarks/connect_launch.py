@@ -38,9 +38,6 @@ import contextlib
 import functools
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,8 +51,11 @@ import psutil
 from common import log, print_table, ratio
 
 common.prepare_environment()
+sys.path.insert(0, str(common.ROOT))
 
 import jobs  # noqa: E402  (needs the benchmarks dir on sys.path, set just above)
+
+from harness.connect_server import ConnectServer  # noqa: E402
 
 NAME = "connect_launch"
 MASTER = "local[2]"
@@ -69,116 +69,9 @@ VARIANTS = (
 #: An address no executor reaches (TEST-NET-1): the tasks relay their ranks' frames instead.
 UNREACHABLE_CHANNEL = "192.0.2.1"
 BASELINE = "ours_classic"
-SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 CONNECT_ENV = "SPARK_CONNECT_MODE_ENABLED"
 # Rank-side processes of a barrier run, to kill when a pyspark run times out.
 RANK_MARKERS = ("torch_run_process_wrapper", "torch.distributed.run", "sparktorch_ops.node.agent")
-
-
-# -- the Connect server (the same as tests/support/connect_server.py; benchmarks import no
-# test code) -----------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _spark_home() -> str:
-    import pyspark
-
-    return os.path.dirname(pyspark.__file__)
-
-
-def server_command(port: int, master: str = MASTER) -> list[str]:
-    """``spark-submit ... SparkConnectServer ... spark-internal`` of the pyspark package."""
-    settings = {
-        "spark.connect.grpc.binding.port": str(port),
-        "spark.connect.grpc.binding.address": "127.0.0.1",
-        "spark.driver.host": "127.0.0.1",
-        "spark.driver.bindAddress": "127.0.0.1",
-        "spark.ui.showConsoleProgress": "false",
-        "spark.ui.port": "0",
-    }
-    command = [os.path.join(_spark_home(), "bin", "spark-submit"), "--class", SERVER_CLASS]
-    command += ["--master", master]
-    for key, value in settings.items():
-        command += ["--conf", f"{key}={value}"]
-    return [*command, "spark-internal"]
-
-
-class ConnectServer:
-    """A Spark Connect server in its own process group; :meth:`stop` ends it and every process
-    it started (its Python workers call ``setpgid``: they are waited for as descendants)."""
-
-    def __init__(self, workdir: Path, master: str = MASTER) -> None:
-        self.port = _free_port()
-        self.url = f"sc://127.0.0.1:{self.port}"
-        self.log_path = workdir / "connect-server.log"
-        drop = ("SPARK_REMOTE", CONNECT_ENV, "SPARK_LOCAL_REMOTE", "SPARK_API_MODE")
-        env = {k: v for k, v in os.environ.items() if k not in drop}
-        env.update(SPARK_HOME=_spark_home(), SPARK_LOCAL_IP="127.0.0.1")
-        with open(self.log_path, "wb") as out:
-            self.process = subprocess.Popen(
-                server_command(self.port, master),
-                cwd=workdir,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-
-    def log_tail(self, last: int = 4000) -> str:
-        """The end of the server's output."""
-        try:
-            return self.log_path.read_text(errors="replace")[-last:]
-        except OSError:
-            return ""
-
-    def wait_listening(self, timeout: float) -> None:
-        """Wait until the gRPC port accepts connections (the server binds it last)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            code = self.process.poll()
-            if code is not None:
-                raise RuntimeError(f"Connect server exited {code}:\n{self.log_tail()}")
-            with socket.socket() as sock:
-                sock.settimeout(1)
-                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.5)
-        raise TimeoutError(f"Connect server not up within {timeout:g} s:\n{self.log_tail()}")
-
-    def descendants(self) -> list[psutil.Process]:
-        """The server's processes below its JVM (Python workers, ranks)."""
-        try:
-            return psutil.Process(self.process.pid).children(recursive=True)
-        except psutil.Error:
-            return []
-
-    def stop(self, grace: float = 15.0) -> None:
-        """SIGTERM the group and the descendants, SIGKILL what is left after ``grace`` s."""
-        others = self.descendants()
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, sig)
-            for proc in others:
-                with contextlib.suppress(psutil.Error):
-                    proc.send_signal(sig)
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None and not any(_alive(p) for p in others):
-                    return
-                time.sleep(0.2)
-        left = [p.pid for p in others if _alive(p)]
-        raise RuntimeError(f"Connect server (pid {self.process.pid}) or {left} outlived SIGKILL")
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 @contextlib.contextmanager
@@ -403,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = common.machine_info()
     workdir = Path(tempfile.mkdtemp(prefix="sparktorch-bench-connect-"))
     log(f"starting a Spark Connect server on {MASTER} (log: {workdir / 'connect-server.log'})")
-    server = ConnectServer(workdir)
+    server = ConnectServer(workdir, MASTER)
     classic = connect = None
     started = time.perf_counter()
     try:
