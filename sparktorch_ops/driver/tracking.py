@@ -16,7 +16,8 @@ becomes its parent), and logs to it from the driver only:
 A durable training (:class:`~sparktorch_ops.driver.durable.TrainingTry`) has one MLflow run for
 all its tries: a later try reopens the earlier one's (``RUNNING`` again, tagged with the tries it
 spans) instead of creating another; a try that fails with a retry to come leaves it
-``RUNNING``; the metrics a resumed checkpoint replays are logged only where the run lacks them.
+``RUNNING``; the metrics a resumed checkpoint replays are logged only where the continued run
+lacks them (a new run, as without ``durable``, takes none: they are the earlier run's).
 
 The ranks never talk to MLflow: the tracking URI and credentials (``MLFLOW_TRACKING_*``) are
 removed from their environment (:func:`~sparktorch_ops.wire.env.strip_tracking_env`). The
@@ -124,8 +125,9 @@ class MlflowTracker:
         self.parent_run_id = active.info.run_id if active is not None else None
         self.run_id = ""
         self.url: str | None = None
-        # Steps the run already has per metric key (a continued run): replays skip them.
-        self._logged: dict[str, set[int]] = {}
+        # Steps a continued run already has per metric key: replays skip them. None: a new
+        # run, which takes no replayed records (they belong to another run's curve).
+        self._logged: dict[str, set[int]] | None = None
         self.replayed_logged = 0  # replayed metrics the run lacked, logged by this try
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -197,9 +199,10 @@ class MlflowTracker:
             return None
         try:
             self.client.update_run(run_id, status="RUNNING")
-            for key in run.data.metrics:
-                history = self.client.get_metric_history(run_id, key)
-                self._logged[key] = {metric.step for metric in history}
+            self._logged = {
+                key: {metric.step for metric in self.client.get_metric_history(run_id, key)}
+                for key in run.data.metrics
+            }
         except Exception as exc:
             raise ConfigError(
                 "mlflow_experiment", f"MLflow could not reopen run {run_id}: {_first_line(exc)}"
@@ -319,9 +322,12 @@ class MlflowTracker:
                 )
 
     def _metrics_of(self, record: Any, suffix: str) -> list[Any]:
-        """A record's numbers as MLflow metrics; of a replayed record, only the steps the
-        run lacks (the crashed try's driver had not sent them)."""
+        """A record's numbers as MLflow metrics; of a replayed record, only the steps a
+        continued run lacks (the crashed try's driver had not sent them)."""
         from mlflow.entities import Metric
+
+        if record.replayed and self._logged is None:
+            return []
 
         values = dict(record.values)
         if record.progress is not None:
@@ -331,7 +337,7 @@ class MlflowTracker:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue  # MLflow metrics are numbers
             name = f"{key}{suffix}"
-            if record.replayed:
+            if self._logged is not None and record.replayed:
                 if record.step in self._logged.get(name, ()):
                     continue
                 self.replayed_logged += 1

@@ -286,6 +286,37 @@ def test_the_failed_tries_of_a_durable_training_share_one_run_ended_by_the_last(
     assert last.data.tags["sparktorch_ops.tries"] == "1,2"
 
 
+def test_a_new_run_that_resumes_a_checkpoint_takes_none_of_the_replayed_metrics(
+    sqlite_store: str, tmp_path: Path
+) -> None:
+    """Without a durable training each try is its own MLflow run: the records the resumed
+    checkpoint replays belong to the earlier run's curve, not to the new one."""
+    from tests.support.checkpointed import steps_with_one_failure
+
+    client, marker = MlflowClient(sqlite_store), tmp_path / "failed-once"
+
+    def attempt() -> Any:
+        return TorchDistributor(
+            num_processes=2,
+            use_gpu=False,
+            checkpoint_dir=str(tmp_path / "checkpoints"),
+            mlflow_experiment="resumed-not-durable",
+            mlflow_tracking_uri=sqlite_store,
+        ).run(steps_with_one_failure, 4, str(marker))
+
+    with pytest.raises(TrainingFailedError):
+        attempt()
+    assert attempt() == {"start": 1, "ran": [2, 3], "total": 6.0}
+    experiment = client.get_experiment_by_name("resumed-not-durable")
+    assert experiment is not None
+    runs = {r.info.status: r for r in client.search_runs([experiment.experiment_id])}
+    steps = {
+        status: [m.step for m in client.get_metric_history(run.info.run_id, "total")]
+        for status, run in runs.items()
+    }
+    assert steps == {"FAILED": [0, 1], "FINISHED": [2, 3]}
+
+
 def test_all_ranks_logs_other_ranks_suffixed(sqlite_store: str) -> None:
     uri = sqlite_store
     result = TorchDistributor(
