@@ -421,6 +421,11 @@ def server_lines(server: ConnectServer, operation_id: str, since_len: int) -> li
     return out[:30]
 
 
+def _client_argv(role: str, server: ConnectServer, session_id: str, op: str) -> list[str]:
+    """A client role's arguments: which server, session and operation."""
+    return ["--role", role, "--url", server.url, "--session-id", session_id, "--operation-id", op]
+
+
 def _run_client(
     workdir: Path,
     server: ConnectServer,
@@ -433,14 +438,7 @@ def _run_client(
     marker_dir = workdir / f"markers-{name}"
     marker_dir.mkdir()
     argv = [
-        "--role",
-        "run",
-        "--url",
-        server.url,
-        "--session-id",
-        session_id,
-        "--operation-id",
-        op,
+        *_client_argv("run", server, session_id, op),
         "--marker-dir",
         str(marker_dir),
         "--duration",
@@ -472,17 +470,7 @@ def _second_client(
     wait_s: float,
 ) -> dict[str, Any]:
     role, extra, _ = FOLLOW_UPS[follow_up]
-    argv = [
-        "--role",
-        role,
-        "--url",
-        server.url,
-        "--session-id",
-        session_id,
-        "--operation-id",
-        op,
-        *extra,
-    ]
+    argv = [*_client_argv(role, server, session_id, op), *extra]
     if last_response_id:
         argv += ["--last-response-id", last_response_id]
     second = Client(workdir, name, argv)

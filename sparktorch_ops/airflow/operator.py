@@ -7,7 +7,6 @@ to Airflow: an XCom summary, the task log, an extra link, and Airflow's exceptio
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +34,7 @@ from sparktorch_ops.driver.durable import (
     RESUMABLE,
     SUCCEEDED,
     RecordError,
+    StoredTraining,
     TrainingRecord,
     TrainingTry,
     finished_line,
@@ -65,45 +65,28 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
     """Run a PyTorch training function or torchrun script with sparktorch_ops.
 
     Rank output goes to the task log live (``[rank N|host] line``; stdout at INFO, stderr at
-    WARNING). The XCom is a JSON-safe summary: ``value`` (rank 0's value, or a script's
-    stdout) when JSON-safe and at most ``max_xcom_value_bytes``, else ``value_uri`` /
-    ``value_size`` / ``value_format`` / ``value_sha256`` of a copy under ``result_location``
-    (read it back with :func:`sparktorch_ops.airflow.load_result`, given the same
-    ``result_location``), plus :meth:`RunResult.summary`'s fields.
+    WARNING). The XCom is :meth:`RunResult.summary` plus ``value`` (rank 0's value, or a
+    script's stdout) when JSON-safe and at most ``max_xcom_value_bytes``, else ``value_uri``,
+    ``value_size``, ``value_format`` and ``value_sha256`` of a copy under ``result_location``
+    (:func:`sparktorch_ops.airflow.load_result` reads it back).
 
     Barrier mode takes its master from the Spark provider's ``spark`` connection ``conn_id``,
-    or a Spark Connect session from its ``spark_connect`` connection (read as
-    ``SparkConnectHook`` reads it; the token is never logged).
-    An absent ``spark_default`` means ``spark.master`` from ``spark_conf``, else ``local[*]``;
-    another missing connection, or a ``spark.master`` that contradicts the connection's, is
-    bad input. A running SparkContext is reused. ``local_mode=True`` starts no Spark at all,
-    unless an ``input_*`` argument names data (then a session from the same settings reads it).
-
+    or a Spark Connect session from a ``spark_connect`` one (the token is never logged); an
+    absent ``spark_default`` means ``spark_conf``'s ``spark.master``, else ``local[*]``. A
+    running SparkContext is reused; local mode starts Spark only to read an ``input_*``.
     Bad input raises ``AirflowFailException`` before anything starts (no retry); failed,
-    timed-out or cancelled training raises :class:`TorchTrainingError` (retried as configured).
+    timed-out or cancelled training raises :class:`TorchTrainingError` (retried).
 
-    **Durable** (``durable=True``, Airflow's default from 3.3 on): the tries of a task instance
-    are one training, kept in its ``task_state_store`` under ``sparktorch_training``
-    (``ResumableJobMixin``): one ``training_id`` (in the XCom), one checkpoint directory and
-    one MLflow run. A retry after a crash (an OOM-killed or evicted worker, a SIGKILL: no
-    ``on_kill`` runs) resumes from the latest committed checkpoint into the same MLflow run,
-    reopened to RUNNING and tagged ``sparktorch_ops.tries``; the metrics of every step up to
-    that checkpoint are in the run (a checkpoint carries rank 0's reports, and a resume
-    replays those the run lacks). A try that fails with a retry to come leaves the run
-    RUNNING; the last try, a success, bad input or a cancel end it. If the training had
-    succeeded and its summary was stored before the try died (in the XCom push), the retry
-    returns that summary without training. A task cleared after it succeeded starts a new
-    training. ``durable=False`` trains afresh into a new MLflow run on every try (each still
-    resumes from the task instance's checkpoints); below Airflow 3.3 ``durable`` has no effect.
+    **Durable** (``ResumableJobMixin``; Airflow's default from 3.3 on): a task instance's
+    tries are one training, kept in its ``task_state_store`` under ``sparktorch_training``:
+    a retry after a crash resumes from the latest checkpoint into the same MLflow run, and a
+    summary stored before the try died is returned without training (docs/durable.md).
 
-    Without ``checkpoint_dir``, the task instance has its own,
-    ``<result_location>/checkpoints/<dag>/<run>/<task>~hash`` (``.../<training_id>`` when
-    durable), shared by its tries: a retry resumes from the previous try's latest checkpoint,
-    a new DAG run starts fresh (on a multi-host cluster give storage every executor reaches).
-    A tracked run is tagged with the dag, run, task and try; the XCom gets ``mlflow_run_id``
-    and the "MLflow run" extra link its page. Without ``mlflow_tracking_uri``, the ``host``
-    (with schema and port) of the Airflow connection ``mlflow_conn_id`` is used when it
-    exists, else ``MLFLOW_TRACKING_URI``.
+    Without ``checkpoint_dir``, the task instance has its own under ``result_location``
+    (``checkpoints/<dag>/<run>/<task>~hash[/<training_id>]``), shared by its tries. A tracked
+    run is tagged with the dag, run, task and try; the "MLflow run" extra link opens it. The
+    tracking URI: ``mlflow_tracking_uri``, else the Airflow connection ``mlflow_conn_id``'s
+    host, else ``MLFLOW_TRACKING_URI``.
 
     Args:
         train: the training function (called on every rank as ``train(*train_args,
@@ -127,8 +110,7 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         input_format: the format of ``input_path`` (default ``parquet``).
         mlflow_conn_id: Airflow connection holding the MLflow tracking URI (default
             ``mlflow_default``; optional).
-        durable: keep the training's identity across tries (see above); None: Airflow's
-            default for ``ResumableJobMixin`` operators (True from Airflow 3.3 on).
+        durable: one training across tries (see above); None: the mixin's default.
         **kwargs: BaseOperator arguments (``task_id``, ``retries``, ``execution_timeout``...).
     """
 
@@ -229,7 +211,7 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
 
     # ResumableJobMixin: the "external job" is the training, kept in the task_state_store.
     def submit_job(self, context: Context) -> Any:
-        """A new training's record (None when not durable)."""
+        """A new training's record (None: not durable)."""
         if not self.durable:
             return None
         return TrainingRecord.new(max_tries=context["ti"].max_tries).to_json()
@@ -243,11 +225,11 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
             return "unreadable"
 
     def is_job_active(self, status: str) -> bool:
-        """An earlier try died or failed: this one resumes it."""
+        """An earlier try died or failed: resume it."""
         return status == RESUMABLE
 
     def is_job_succeeded(self, status: str) -> bool:
-        """An earlier try succeeded and stored its summary: this one returns it."""
+        """An earlier try stored its summary: return it."""
         return status == SUCCEEDED
 
     # The mixin returns what this returns when it reconnects (a retry): the summary, not None.
@@ -261,22 +243,13 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         if external_id is None or store is None:  # not durable, or nowhere to keep it
             self._summary = self._train(context, None)
             return self._summary
-        record = TrainingRecord.from_json(external_id).with_try(ti.try_number)
-        self._store(store, record)
-
-        def on_mlflow_run(run_id: str) -> None:
-            nonlocal record
-            if record.mlflow_run_id != run_id:
-                record = record.with_mlflow_run(run_id)
-                self._store(store, record)
-
-        training = dataclasses.replace(
-            TrainingTry.of(record, ti.try_number, last_try=ti.try_number > ti.max_tries),
-            on_mlflow_run=on_mlflow_run,
+        stored = StoredTraining(
+            TrainingRecord.from_json(external_id),
+            lambda record: store.set(self.external_id_key, record),
         )
-        summary = self._train(context, training)
+        summary = self._train(context, stored.begin(ti.try_number, ti.try_number > ti.max_tries))
         # Stored before Airflow pushes the XCom: a try that dies now is not trained again.
-        self._store(store, record.finished(ti.try_number, summary))
+        stored.finish(ti.try_number, summary)
         self._summary = summary
         return summary
 
@@ -289,10 +262,6 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         summary = cast("dict[str, Any]", record.result)
         self.mlflow_run_link = summary.get("mlflow_run_url") or ""
         return summary
-
-    def _store(self, store: Any, record: TrainingRecord) -> None:
-        if store is not None:
-            store.set(self.external_id_key, record.to_json())
 
     def _train(self, context: Context, training: TrainingTry | None) -> dict[str, Any]:
         """Build the job from the rendered arguments, run it, return the XCom summary."""

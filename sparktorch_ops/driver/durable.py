@@ -182,6 +182,46 @@ class TrainingTry:
         return len(self.tries) > 1
 
 
+class StoredTraining:
+    """A training's record in a wrapper's store, saved (``save`` writes its JSON) at each
+    change as it happens, so a try that dies leaves what the next one needs."""
+
+    def __init__(self, record: TrainingRecord, save: Callable[[dict[str, Any]], None]) -> None:
+        self.record = record
+        self._save = save
+
+    @classmethod
+    def load(cls, stored: Any, save: Callable[[dict[str, Any]], None], log: Any) -> StoredTraining:
+        """The training ``stored`` records; a new one when there is none, or when what is
+        stored is not a record (said in ``log``)."""
+        try:
+            record = TrainingRecord.from_json(stored) if stored is not None else None
+        except RecordError as exc:
+            log.warning("sparktorch_ops: %s; starting a new training", exc)
+            record = None
+        return cls(record or TrainingRecord.new(), save)
+
+    def begin(self, try_number: int, last_try: bool) -> TrainingTry:
+        """Save that ``try_number`` trains; the try to give the job (it saves the MLflow run
+        id once the run exists)."""
+        self._update(self.record.with_try(try_number))
+        return replace(
+            TrainingTry.of(self.record, try_number, last_try), on_mlflow_run=self._on_mlflow_run
+        )
+
+    def finish(self, try_number: int, result: Any) -> None:
+        """Save that ``try_number`` succeeded with ``result`` (JSON)."""
+        self._update(self.record.finished(try_number, result))
+
+    def _on_mlflow_run(self, run_id: str) -> None:
+        if self.record.mlflow_run_id != run_id:
+            self._update(self.record.with_mlflow_run(run_id))
+
+    def _update(self, record: TrainingRecord) -> None:
+        self.record = record
+        self._save(record.to_json())
+
+
 def try_line(training: TrainingTry, resumed_step: int | None, mlflow_run_id: str | None) -> str:
     """The task log's line saying what this try does."""
     head = f"sparktorch_ops: try {training.try_number} of the training {training.training_id}"

@@ -131,8 +131,10 @@ def launch(
     *,
     on_metrics: Callable[[MetricRecord], None] | None,
     check_cancelled: Callable[[], None],
+    mlflow_run_id: str | None = None,
 ) -> Iterator[Launched]:
-    """Start the ranks; on leaving, tear them down if the run raised, then clean up."""
+    """Start the ranks; on leaving, tear them down if the run raised, then clean up
+    (``mlflow_run_id``: the run's MLflow run, named in a durable try's line)."""
 
     def on_phase(name: str, **where: Any) -> None:
         # A phase seen on the channel; the last rank to connect makes the run RUNNING.
@@ -175,7 +177,7 @@ def launch(
         )
         plan = plan_run(spec, describe(payload), facts)
         machine.emit(events.PLANNED, nodes=plan.layout.num_tasks, plan=plan.to_dict())
-        resumed_from = resume.announce(spec, log)
+        resumed_from = resume.announce(spec, log, mlflow_run_id)
         check_cancelled()
         machine.to(RunState.STARTING)
         launcher = _launcher(plan, payload, secret, prepared, server, collector, log)

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from sparktorch_ops import checkpoint
+from sparktorch_ops.driver.durable import try_line
 from sparktorch_ops.spec import LaunchSpec
 
 
@@ -21,12 +22,15 @@ def latest_step(directory: str, log: logging.Logger) -> int | None:
         return None
 
 
-def announce(spec: LaunchSpec, log: logging.Logger) -> int | None:
-    """Say whether the ranks will resume, warm start or start fresh; the step resumed."""
+def announce(spec: LaunchSpec, log: logging.Logger, mlflow_run_id: str | None = None) -> int | None:
+    """Say whether the ranks will resume, warm start or start fresh, and what this try of a
+    durable training does (``mlflow_run_id``: its MLflow run); the step resumed."""
     directory = spec.checkpoint_dir
+    step = latest_step(directory, log) if directory is not None else None
+    if spec.training is not None:
+        log.info(try_line(spec.training, step, mlflow_run_id))
     if directory is None:
         return None
-    step = latest_step(directory, log)
     warm = spec.warm_start_from
     if step is not None:
         log.info(

@@ -20,9 +20,7 @@ import uuid
 import pendulum
 
 from sparktorch_ops import errors, events
-from sparktorch_ops.driver import resume
 from sparktorch_ops.driver.console import PACKAGE_LOGGER, console
-from sparktorch_ops.driver.durable import TrainingTry, try_line
 from sparktorch_ops.driver.finish import rank0_value, run_result
 from sparktorch_ops.driver.launch import launch
 from sparktorch_ops.driver.packing import describe
@@ -64,8 +62,6 @@ class Run:
             self._tracker = start_tracking(
                 self.spec, self.run_id, describe(job.payload), job.args, job.kwargs, self.log
             )
-        if training is not None:
-            self._announce(training)
         last_try = training is None or training.last_try
         try:
             outcome = self._wait()
@@ -81,15 +77,6 @@ class Run:
                 outcome, mlflow_run_id=self._tracker.run_id, mlflow_run_url=self._tracker.url
             )
         return outcome
-
-    def _announce(self, training: TrainingTry) -> None:
-        """The task log's line on what this try of a durable training does."""
-        directory = self.spec.checkpoint_dir
-        step = None
-        if training.resumed and directory is not None:
-            step = resume.latest_step(directory, self.log)
-        run = self._tracker.run_id if self._tracker is not None else None
-        self.log.info(try_line(training, step, run))
 
     def check_cancelled(self) -> None:
         """Raise TrainingCancelledError once the job's cancel token is set."""
@@ -169,6 +156,7 @@ class Run:
                 log,
                 on_metrics=self._on_metrics if spec.tracked or spec.on_metrics else None,
                 check_cancelled=self.check_cancelled,
+                mlflow_run_id=self._tracker.run_id if self._tracker is not None else None,
             ) as launched:
                 supervisor = Supervisor(
                     spec, self.run_id, launched, started, self.check_cancelled, log

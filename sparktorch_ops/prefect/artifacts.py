@@ -483,13 +483,22 @@ class TrainingReport:
             self.recorder.close()
 
     def completed(self, result: RunResult, where: str) -> RunSummary:
-        """The training completed; ``where``: where rank 0's value went."""
+        """The training completed; ``where``: where rank 0's value went. Artifacts that
+        cannot be written are a warning: a retry would train the finished training again."""
         summary = self.summary
         assert summary is not None, "start() first"
         summary.complete(result, where)
         if self.recorder is not None:
             created = self._session.get("created")
-            self.recorder.finish(summary, completed=True, session_created=created)
+            try:
+                self.recorder.finish(summary, completed=True, session_created=created)
+            except Exception as exc:
+                self._log.warning(
+                    "sparktorch_ops: the training succeeded but its artifacts could not be "
+                    "written (%s: %s); returning its result",
+                    type(exc).__name__,
+                    exc,
+                )
         self._log.info(
             "%d processes finished in %.1f s; final metrics of rank 0: %s",
             result.num_processes,

@@ -4,7 +4,7 @@ its durable training's record, and which failures Prefect retries."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.context import TaskRunContext
 from prefect.states import State
 
-from sparktorch_ops.driver.durable import RecordError, RecordFile, TrainingRecord, TrainingTry
+from sparktorch_ops.driver.durable import RecordError, RecordFile, StoredTraining, TrainingTry
 from sparktorch_ops.outcome import outcome_of
 
 
@@ -77,22 +77,12 @@ def training_of(ctx: TaskRunContext | None, log: Any) -> TrainingTry | None:
     store = RecordFile(base / "sparktorch_ops" / "trainings" / f"{ctx.task_run.id}.json")
     try:
         stored = store.get()
-        record = TrainingRecord.from_json(stored) if stored is not None else TrainingRecord.new()
     except RecordError as exc:
         log.warning("sparktorch_ops: %s; starting a new training", exc)
-        record = TrainingRecord.new()
+        stored = None
     try_number = max(1, ctx.task_run.run_count)
-    record = record.with_try(try_number)
-    store.set(record.to_json())
-
-    def on_mlflow_run(run_id: str) -> None:
-        nonlocal record
-        if record.mlflow_run_id != run_id:
-            record = record.with_mlflow_run(run_id)
-            store.set(record.to_json())
-
-    last_try = try_number > (ctx.task.retries or 0)
-    return replace(TrainingTry.of(record, try_number, last_try), on_mlflow_run=on_mlflow_run)
+    training = StoredTraining.load(stored, store.set, log)
+    return training.begin(try_number, last_try=try_number > (ctx.task.retries or 0))
 
 
 def default_checkpoint_dir(ctx: TaskRunContext | None) -> str | None:

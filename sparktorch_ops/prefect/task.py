@@ -86,26 +86,16 @@ def run_torch_distributor(
 ) -> Any:
     """Run a training function or script on ``num_processes`` ranks; return rank 0's value.
 
-    A Prefect task: configure retries, timeouts and names with ``.with_options(...)``, e.g.
-    ``run_torch_distributor.with_options(name="train-digits", retries=1,
-    timeout_seconds=3600)``. Prefect ``retries`` rerun the whole distributed job;
-    ``timeout_seconds`` and cancelling the flow run stop it (Spark job interrupted, every
-    process of the run gone). Rank output goes to the task's log, prefixed
-    ``[rank N|host]``. Artifacts: ``<key>-progress`` (live, from rank 0's
-    ``report(progress=...)``), ``<key>-metrics`` (every ``report()`` per step and rank),
-    ``<key>-summary`` and, with Spark, ``<key>-spark-ui``.
-
-    The result is persisted in Prefect's result storage under a key unique to the task run
-    (``persist_result=False`` in ``with_options`` keeps it in memory only). ``timeout`` is the
-    core's limit on the training, apart from Prefect's ``timeout_seconds`` on the whole task.
-
-    Without ``checkpoint_dir``, the task run has its own directory under Prefect's local
-    storage path (``.../sparktorch_ops/checkpoints/<flow run>/<task>``): a retry resumes from
-    the previous try's latest checkpoint, a new flow run starts fresh (on a multi-host cluster
-    give storage every executor reaches). A tracked run is tagged with the flow run and task
-    run; the summary artifact names it and ``<key>-mlflow`` links to it.
-    ``mlflow_tracking_uri`` may also name a saved :class:`~sparktorch_ops.prefect.MlflowServer`
-    block.
+    A Prefect task: set retries, timeouts and names with ``.with_options(...)``. A retry
+    reruns the whole job (``durable``: resuming into the same training); ``timeout_seconds``
+    and cancelling the flow run stop it, every process gone. Rank output goes to the task's
+    log (``[rank N|host]``); artifacts ``<key>-progress``, ``<key>-metrics``,
+    ``<key>-summary`` and, with Spark, ``<key>-spark-ui`` and ``<key>-mlflow``. The result is
+    persisted under a key unique to the task run. ``timeout`` is the core's limit on the
+    training, apart from Prefect's ``timeout_seconds`` on the whole task. Without
+    ``checkpoint_dir``, the task run has its own under Prefect's local storage path
+    (``.../sparktorch_ops/checkpoints/<flow run>/<task>``). ``mlflow_tracking_uri`` may also
+    name a saved :class:`~sparktorch_ops.prefect.MlflowServer` block.
 
     Args:
         train: a function (run as ``train(*train_args, **train_kwargs)`` on every rank) or the
@@ -125,9 +115,7 @@ def run_torch_distributor(
             columns. Not part of any cache key.
         input_format: the format of ``input_path`` (default ``parquet``).
         durable: the task run's tries are one training (default): a retry resumes from the
-            latest checkpoint into the same MLflow run (reopened, tagged
-            ``sparktorch_ops.tries``; every step up to that checkpoint has its metrics there),
-            and only the last try ends it. False: each try is a new MLflow run.
+            latest checkpoint into the same MLflow run (docs/durable.md); False: a new run.
 
     Returns:
         Rank 0's return value (a function) or rank 0's stdout (a script).
@@ -166,13 +154,5 @@ def run_torch_distributor(
     except BaseException as exc:
         report.failed(exc)
         raise
-    try:
-        report.completed(result, result_location(ctx, result.value))
-    except Exception as exc:  # a retry would train the finished training again
-        logger.warning(
-            "sparktorch_ops: the training succeeded but its artifacts could not be written "
-            "(%s: %s); returning its result",
-            type(exc).__name__,
-            exc,
-        )
+    report.completed(result, result_location(ctx, result.value))
     return result.value

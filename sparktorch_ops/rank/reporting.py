@@ -29,16 +29,18 @@ CARRY_MAX = 100_000
 _lock = threading.Lock()
 _client: channel.ChannelClient | None = None
 _next_step = 0
+_keeps = True  # this process is rank 0 (read once, at install)
 # (monotonic time kept, record), rank 0 only
 _kept: collections.deque[tuple[float, dict[str, Any]]] = collections.deque(maxlen=CARRY_MAX)
 
 
 def install(client: channel.ChannelClient | None) -> None:
     """Route ``report()`` through ``client`` (done by the rank's bootstrap)."""
-    global _client, _next_step
+    global _client, _next_step, _keeps
     with _lock:
         _client = client
         _next_step = 0
+        _keeps = os.environ.get("RANK", "0") == "0"
         _kept.clear()
 
 
@@ -84,7 +86,7 @@ def replay(records: Iterable[Mapping[str, Any]]) -> int:
 
 
 def _keep(message: MetricReport) -> None:
-    if os.environ.get("RANK", "0") != "0":
+    if not _keeps:
         return
     record = {
         "step": message.step,
