@@ -86,8 +86,11 @@ def _raw(srv: channel.ChannelServer) -> socket.socket:
 
 def _read_until_closed(sock: socket.socket) -> bytes:
     data = b""
-    while chunk := sock.recv(4096):
-        data += chunk
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except ConnectionResetError:
+        pass  # closed by the server with our later bytes unread: TCP resets instead of EOF
     return data
 
 
