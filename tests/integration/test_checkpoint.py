@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,9 +92,10 @@ def train_ddp(
         dist.destroy_process_group()
 
 
-def crash_while_saving(record: str) -> None:
+def crash_while_saving(record: str, blocking: bool) -> None:
     """Attempt 0: rank 1 dies instead of saving step 2. Attempt 1 resumes (step 1), then rank 0
-    dies after every rank wrote step 2's data and DCP's metadata, before the commit marker."""
+    dies after step 2's data and DCP's metadata were written, before the commit marker. The
+    state is small and replicated: rank 0 writes it alone."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
@@ -107,10 +110,12 @@ def crash_while_saving(record: str) -> None:
                     p.add_(1.0)
             if step == 1 and rank == 0:  # before save(): rank 1 cannot be gone yet
                 torch.save(model.state_dict(), os.path.join(os.path.dirname(record), "step1.pt"))
-            ck.save(state, step)
+            ck.save(state, step, blocking=blocking)
+        ck.wait()
         if rank == 1:
             os._exit(1)
-        ck.save(state, 2)  # rank 1 is gone: fails or is torn down
+        ck.save(state, 2, blocking=blocking)  # rank 1 never reaches it: no commit
+        ck.wait()  # fails or is torn down
         return
     if rank == 0:
         Path(record).write_text(json.dumps({"start": start}))
@@ -119,7 +124,8 @@ def crash_while_saving(record: str) -> None:
             os._exit(3)
 
         ck._Location.write_file = die_before_marker  # type: ignore[method-assign]
-    ck.save(state, 2)
+    ck.save(state, 2, blocking=blocking)
+    ck.wait()
 
 
 def save_in_background_and_return(directory: str) -> None:
@@ -129,6 +135,22 @@ def save_in_background_and_return(directory: str) -> None:
 
     dist.init_process_group("gloo")
     ck.save({"model": DistributedDataParallel(toy_model())}, 0, directory=directory, blocking=False)
+
+
+def save_small_and_large(small_dir: str, large_dir: str) -> None:
+    """A small DDP model (rank 0 writes it alone) and a 40 MiB one (every rank writes its
+    share), each saved twice in the background; returns without destroying the group."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    small = DistributedDataParallel(toy_model())
+    large = DistributedDataParallel(
+        torch.nn.ParameterList([torch.nn.Parameter(torch.ones(2**20)) for _ in range(10)])
+    )
+    for step in (0, 1):
+        ck.save({"model": small}, step, directory=small_dir, blocking=False)
+        ck.save({"model": large}, step, directory=large_dir, blocking=False)
 
 
 class FsdpNet(torch.nn.Module):
@@ -344,6 +366,58 @@ def test_a_failed_background_save_fails_the_run_naming_rank_and_step(tmp_path: P
     assert f"rank {failure.rank}: " in failure.reason
 
 
+def test_rank_0_writes_a_small_replicated_state_alone_every_rank_a_large_one(
+    tmp_path: Path,
+) -> None:
+    small, large = tmp_path / "small", tmp_path / "large"
+    distributor(str(tmp_path), timeout=120).run(save_small_and_large, str(small), str(large))
+    # Both background saves committed though the function left its process group alive.
+    assert step_dirs(small) == step_dirs(large) == ["step-000000000", "step-000000001"]
+    assert sorted(os.listdir(small / "step-000000001")) == [
+        ".metadata",
+        "COMMITTED",
+        "__0_0.distcp",
+    ]
+    assert sorted(os.listdir(large / "step-000000001")) == [
+        ".metadata",
+        "COMMITTED",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    model = toy_model(seed=3)
+    assert ck.load_latest({"model": model}, directory=str(small)) == 1
+    assert_same(model.state_dict(), toy_model().state_dict())
+    params = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(2**20)) for _ in range(10)])
+    assert ck.load_latest({"model": params}, directory=str(large)) == 1
+    assert all(bool((p == 1).all()) for p in params)
+
+
+def test_plain_torchrun_ranks_exit_cleanly_with_the_writer_thread_and_no_destroy(
+    tmp_path: Path,
+) -> None:
+    # The writer thread ran collectives: alive when the interpreter exits, it aborts the
+    # process ("terminate called without an active exception"), so it is stopped at exit.
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch, torch.distributed as dist\n"
+        "from sparktorch_ops import checkpoint as ck\n"
+        "dist.init_process_group('gloo')\n"
+        "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+        "for step in (0, 1):\n"
+        "    ck.save({'model': model}, step, directory=sys.argv[1], blocking=False)\n"
+    )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    launched = subprocess.run(
+        [*torchrun, str(script), str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert "terminate called" not in launched.stderr
+    assert ck.latest_step(directory=str(tmp_path / "ck")) == 1
+
+
 def test_second_run_resumes_after_the_last_step_and_wins_over_warm_start(
     tmp_path: Path, uninterrupted: tuple[Path, dict[str, Any]]
 ) -> None:
@@ -365,11 +439,14 @@ def test_second_run_resumes_after_the_last_step_and_wins_over_warm_start(
     assert not any("warm-started" in out for out in result.outputs.values())
 
 
-def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
+def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint(
+    tmp_path: Path, blocking: bool
+) -> None:
     directory = tmp_path / "ck"
     record = tmp_path / "record.json"
     with pytest.raises(TrainingFailedError):
-        distributor(str(directory), max_restarts=1).run(crash_while_saving, str(record))
+        distributor(str(directory), max_restarts=1).run(crash_while_saving, str(record), blocking)
     assert json.loads(record.read_text()) == {"start": 1}  # the restart resumed step 1
     assert ck.latest_step(directory=str(directory)) == 1
     # Step 2 was written whole by DCP but never committed: it does not count.
@@ -382,6 +459,7 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path
     assert ck.load_latest(state, directory=str(directory)) == 1
     assert_same(model.state_dict(), torch.load(tmp_path / "step1.pt", weights_only=True))
     assert state["note"] == "plain"
+    (directory / "step-000000002" / "__1_0.distcp").write_bytes(b"from a crashed save")
     ck.save(state, 2, directory=str(directory))
     assert ck.latest_step(directory=str(directory)) == 2
     assert sorted(os.listdir(directory / "step-000000002")) == [
