@@ -482,6 +482,7 @@ def stage_rows(task: BarrierTask) -> Callable[[Iterable[Any]], Iterator[Any]]:
         schema = _stage_schema()
         rows: list[dict[str, Any]] = []
         size, node = 0, -1
+        batches = iter(batches)
         for item in task(batches):
             if isinstance(item, TaskReport):
                 node = item.node
@@ -493,6 +494,11 @@ def stage_rows(task: BarrierTask) -> Callable[[Iterable[Any]], Iterator[Any]]:
             if size >= _BATCH_BYTES or len(rows) >= _BATCH_ROWS:
                 yield pa.RecordBatch.from_pylist(rows, schema=schema)
                 rows, size = [], 0
+        # Spark reuses a Python worker only once it has read the task's whole input; a run
+        # without DataFrame input never reads its one row, and its workers would die with it
+        # (each Connect run then paid fresh workers, and their torch import for the store).
+        for _ in batches:
+            pass
         if rows:
             yield pa.RecordBatch.from_pylist(rows, schema=schema)
 

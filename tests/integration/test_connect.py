@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from harness.procs import wait_until_gone
@@ -106,6 +107,31 @@ def test_value_lines_and_metrics(connect: Any, reach: str) -> None:
         assert len(notes) == 1 and "channel_host" in notes[0] and UNREACHABLE in notes[0]
         rank_lines = [r for r in collect.records if "sees 3.0" in r.getMessage()]
         assert all(r.levelno == logging.INFO for r in rank_lines)
+
+
+def spark_python_worker() -> int:
+    """The pid of the Spark Python worker whose task started this rank: the process below
+    pyspark's daemon, which is the one below the server's JVM (read from /proc: the server's
+    Python has no psutil)."""
+
+    def parent(pid: int) -> int:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+    chain = [parent(os.getpid())]
+    while chain[-1] > 1:
+        chain.append(parent(chain[-1]))
+    names = [Path(f"/proc/{pid}/comm").read_text().strip() for pid in chain[:-1]]
+    return chain[names.index("java") - 2]
+
+
+def test_a_run_leaves_the_servers_python_workers_alive_for_the_next(connect: Any) -> None:
+    # Spark reuses a Python worker only once its task read its whole input: a task that left
+    # its input row unread had its worker killed, and every run paid fresh ones.
+    first = ranks_on(connect, "live").run(spark_python_worker)
+    assert psutil.pid_exists(first) and psutil.Process(first).status() != psutil.STATUS_ZOMBIE
+    second = ranks_on(connect, "live").run(spark_python_worker)
+    assert psutil.pid_exists(second)
 
 
 def where_the_package_comes_from() -> dict[str, str]:
