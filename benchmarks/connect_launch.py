@@ -383,7 +383,49 @@ def render(doc: dict[str, Any]) -> str:
         ),
         pages.table(["ratio of medians", "x"], ratio_rows),
     ]
+    before = doc.get("before")
+    if before:
+        out.append(_render_before(doc, before))
     return "\n\n".join(out) + pages.notes(doc.get("notes"))
+
+
+def _render_before(doc: dict[str, Any], before: dict[str, Any]) -> str:
+    """Our variants before and after a change, when the JSON holds the earlier code's run
+    of this benchmark (``before``: its code, a note, its ``variants`` and, when the two runs
+    had other variants than this one, the later code's run of the same, ``after_variants``)."""
+    rows = []
+    for name, after in (before.get("after_variants") or doc["variants"]).items():
+        then = before["variants"].get(name)
+        if then is None:
+            continue
+        rows.append(
+            [
+                f"`{name}`",
+                *(
+                    f"{pages.num(v.get('median_s'))} ({pages.spread(v)}), "
+                    f"{pages.num(v.get('ratio_vs_ours_classic'), suffix='x')}"
+                    for v in (then, after)
+                ),
+            ]
+        )
+    return (
+        f"Before ({before.get('code')}) and after ({doc['machine'].get('git_commit')}), run one "
+        f"process after the other on this machine ({before.get('note', '')}): seconds, median "
+        "(min-max), and the ratio to our classic launch of the same run.\n\n"
+        + pages.table(["variant", "before", "after"], rows)
+    )
+
+
+def _ours_only(before: dict[str, Any] | None) -> str:
+    """'; without pyspark's runs: Nx, was Mx' from a before/after run of our variants."""
+    if not before or not before.get("after_variants"):
+        return ""
+    after = before["after_variants"].get("ours_connect", {}).get("ratio_vs_ours_classic")
+    then = before["variants"].get("ours_connect", {}).get("ratio_vs_ours_classic")
+    return (
+        f"; without pyspark's runs between: {pages.num(after, suffix='x')}, "
+        f"was {pages.num(then, suffix='x')}"
+    )
 
 
 def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
@@ -396,7 +438,9 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
             "launch over Spark Connect (trivial all-reduce, barrier)",
             "pyspark's time / ours (ours over Connect / over a classic session)",
             f"{pages.num(ratios['connect: pyspark / ours'], suffix='x')} "
-            f"({pages.num(ratios.get('ours: connect / classic'), suffix='x')})",
+            f"({pages.num(ratios.get('ours: connect / classic'), suffix='x')}"
+            + _ours_only(doc.get("before"))
+            + ")",
             "-",
         ]
     ]

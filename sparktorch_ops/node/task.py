@@ -203,8 +203,8 @@ class BarrierTask:
             else None
         )
         hello = Hello(role="node", node=node, host=hosts[node], attempt=0, pid=os.getpid())
-        # A Spark Python worker that is not reused (Spark Connect's) has no warm process yet:
-        # its torch import then overlaps the channel, the store and the tasks' agreement.
+        # A fresh Spark Python worker has no warm process yet: its torch import then overlaps
+        # the channel, the store and the tasks' agreement.
         argv, env = self._agent_command(node, hosts[node], hosts[0], gpus, os.devnull, os.devnull)
         prestart(argv, env)
         client, relay, unreachable = self._connect(hello, workdir)
