@@ -33,11 +33,11 @@ from sparktorch_ops.airflow.links import MlflowRunLink, SparkUILink
 from sparktorch_ops.driver.durable import (
     RESUMABLE,
     SUCCEEDED,
-    RecordError,
     StoredTraining,
     TrainingRecord,
     TrainingTry,
-    finished_line,
+    status_of,
+    stored_result,
 )
 from sparktorch_ops.errors import ConfigError, SparkTorchError
 from sparktorch_ops.job import CancelToken, build_job
@@ -218,11 +218,7 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
 
     def get_job_status(self, external_id: Any, context: Context) -> str:
         """``resumable``, ``succeeded`` or ``cleared`` (see :class:`TrainingRecord`)."""
-        try:
-            return TrainingRecord.from_json(external_id).status(context["ti"].max_tries)
-        except RecordError as exc:
-            self.log.warning("sparktorch_ops: %s; starting a new training", exc)
-            return "unreadable"
+        return status_of(external_id, context["ti"].max_tries, self.log)
 
     def is_job_active(self, status: str) -> bool:
         """An earlier try died or failed: resume it."""
@@ -247,19 +243,17 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
             TrainingRecord.from_json(external_id),
             lambda record: store.set(self.external_id_key, record),
         )
-        summary = self._train(context, stored.begin(ti.try_number, ti.try_number > ti.max_tries))
-        # Stored before Airflow pushes the XCom: a try that dies now is not trained again.
-        stored.finish(ti.try_number, summary)
-        self._summary = summary
-        return summary
+        # Stored before Airflow pushes the XCom: a try that dies then is not trained again.
+        self._summary = stored.run(
+            ti.try_number, ti.try_number > ti.max_tries, lambda t: self._train(context, t)
+        )
+        return self._summary
 
     def get_job_result(self, external_id: Any, context: Context) -> dict[str, Any]:
         """This try's summary, or the one an earlier try stored."""
         if self._summary is not None:
             return self._summary
-        record = TrainingRecord.from_json(external_id)
-        self.log.info(finished_line(record))
-        summary = cast("dict[str, Any]", record.result)
+        summary = cast("dict[str, Any]", stored_result(external_id, self.log))
         self.mlflow_run_link = summary.get("mlflow_run_url") or ""
         return summary
 

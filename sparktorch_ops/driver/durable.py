@@ -29,11 +29,13 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 RESUMABLE = "resumable"
 SUCCEEDED = "succeeded"
 CLEARED = "cleared"
+UNREADABLE = "unreadable"  # what is stored is not a record: a new training
+_R = TypeVar("_R")
 
 #: The MLflow tag that lists the tries a training's run spans (``"1,2"``).
 TRIES_TAG = "sparktorch_ops.tries"
@@ -209,6 +211,12 @@ class StoredTraining:
             TrainingTry.of(self.record, try_number, last_try), on_mlflow_run=self._on_mlflow_run
         )
 
+    def run(self, try_number: int, last_try: bool, train: Callable[[TrainingTry], _R]) -> _R:
+        """:meth:`begin`, ``train`` this try, then :meth:`finish` with what it returned."""
+        result = train(self.begin(try_number, last_try))
+        self.finish(try_number, result)
+        return result
+
     def finish(self, try_number: int, result: Any) -> None:
         """Save that ``try_number`` succeeded with ``result`` (JSON)."""
         self._update(self.record.finished(try_number, result))
@@ -233,6 +241,23 @@ def try_line(training: TrainingTry, resumed_step: int | None, mlflow_run_id: str
         what = f"resuming from step {resumed_step} (checkpoint)"
     run = f", MLflow run {mlflow_run_id}" if mlflow_run_id else ""
     return f"{head}: {what}{run}"
+
+
+def status_of(stored: Any, max_tries: int | None, log: Any) -> str:
+    """A later try's decision for the record a wrapper stored (:meth:`TrainingRecord.status`);
+    :data:`UNREADABLE`, said in ``log``, when what is stored is not a record."""
+    try:
+        return TrainingRecord.from_json(stored).status(max_tries)
+    except RecordError as exc:
+        log.warning("sparktorch_ops: %s; starting a new training", exc)
+        return UNREADABLE
+
+
+def stored_result(stored: Any, log: Any) -> Any:
+    """The result an earlier try of the training ``stored`` records stored, said in ``log``."""
+    record = TrainingRecord.from_json(stored)
+    log.info(finished_line(record))
+    return record.result
 
 
 def finished_line(record: TrainingRecord) -> str:

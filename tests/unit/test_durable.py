@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from pathlib import Path
 
@@ -12,11 +13,15 @@ from sparktorch_ops.driver.durable import (
     CLEARED,
     RESUMABLE,
     SUCCEEDED,
+    UNREADABLE,
     RecordError,
     RecordFile,
+    StoredTraining,
     TrainingRecord,
     TrainingTry,
     finished_line,
+    status_of,
+    stored_result,
     try_line,
 )
 
@@ -69,6 +74,28 @@ def test_what_the_next_try_does(record: TrainingRecord, max_tries: int, status: 
 def test_what_is_not_a_record_is_refused(stored: object) -> None:
     with pytest.raises(RecordError):
         TrainingRecord.from_json(stored)
+
+
+def test_a_stored_training_saves_its_try_then_its_result_and_returns_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log = logging.getLogger("tests.durable")
+    saved: list[dict[str, object]] = []
+    stored = StoredTraining(TrainingRecord.new(max_tries=1), saved.append)
+    tries: list[TrainingTry] = []
+
+    def train(training: TrainingTry) -> dict[str, int]:
+        tries.append(training)
+        return {"value": 3}
+
+    assert stored.run(1, False, train) == {"value": 3}
+    assert [s["tries"] for s in saved] == [[1], [1]] and saved[-1]["result"] == {"value": 3}
+    assert tries[0].training_id == saved[-1]["training_id"]
+    assert status_of(saved[-1], 1, log) == SUCCEEDED
+    with caplog.at_level(logging.INFO, logger="tests.durable"):
+        assert stored_result(saved[-1], log) == {"value": 3}
+        assert status_of({"tries": "x"}, 1, log) == UNREADABLE
+    assert "already finished in try 1" in caplog.text and "starting a new training" in caplog.text
 
 
 def test_a_try_of_a_record() -> None:
