@@ -11,15 +11,17 @@ Inside the training function::
         ...
         save(state, step)                              # every rank calls it
 
-The layout under the directory, one DCP checkpoint per step::
+The layout under the directory, one checkpoint per step::
 
     <dir>/step-000000002/.metadata         DCP's metadata, written by rank 0 last
     <dir>/step-000000002/__0_0.distcp      rank 0's data: its shards and its share of the
-                                           replicated values, one file per rank
-    <dir>/step-000000002/__1_0.distcp      (a replicated state of at most 32 MiB: rank 0
-                                           writes it all, in __0_0.distcp alone)
+    <dir>/step-000000002/__1_0.distcp      replicated values, one file per rank
     <dir>/step-000000002/reports.json      rank 0's report() records up to this step
     <dir>/step-000000002/COMMITTED         {"step": 2, "world_size": 2, "time": ..., "torch": ...}
+
+A replicated state of at most 32 MiB (as under DDP) is one file instead of DCP's::
+
+    <dir>/step-000000002/state.pt          torch.save of the state dict, by rank 0 alone
 
 Guarantees:
 
@@ -27,11 +29,12 @@ Guarantees:
   every rank's data and DCP's metadata were written (DCP's save ends with a collective that
   waits for all ranks). A replicated state (no ``DTensor``, ``ShardedTensor`` or FSDP1 module;
   every rank holds it whole, as under DDP) of at most 32 MiB is written by rank 0 alone,
-  without DCP's collectives: coordinating the ranks would cost more than the write; the marker
-  still waits for every rank to have reached the save. A run killed in the middle of a save
-  leaves a step directory without the marker: :func:`load_latest` and :func:`latest_step` skip
-  it, and it is deleted by the next save of the same step or by pruning once a newer
-  checkpoint is committed.
+  with one ``torch.save`` and without DCP's collectives or planning: for a small state these
+  cost more than the write; the marker still waits for every rank to have reached the save,
+  and loading it into a sharded model (FSDP) shards it as a full state dict. A run killed in
+  the middle of a save leaves a step directory without the marker: :func:`load_latest` and
+  :func:`latest_step` skip it, and it is deleted by the next save of the same step or by
+  pruning once a newer checkpoint is committed.
 * :func:`save` returns on every rank only after the marker was written and old checkpoints
   pruned (the newest ``keep`` committed ones stay; other files under the directory are never
   touched). A step is written once: saving a committed step again, or one this process saved
@@ -124,6 +127,9 @@ REPORTS_FILE = "reports.json"
 """Rank 0's ``report()`` records of the last five minutes (``reporting.CARRY_S``), written
 before the marker; :func:`load_latest` sends them again on a resume, so a committed
 checkpoint implies its steps' metrics reach MLflow even if the driver died first."""
+STATE_FILE = "state.pt"
+"""A small replicated state, written whole by rank 0 with one ``torch.save`` (in place of
+DCP's files): ``{key: state dict or value}``, as :meth:`TrainingState.state_dict` gives it."""
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _DCP_METADATA = ".metadata"
@@ -225,6 +231,23 @@ class _Location:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
+
+    def write_state(self, state: Mapping[str, Any], name: str) -> None:
+        """Write a state dict with one ``torch.save`` as ``<name>/state.pt``, synced to storage
+        (the step is uncommitted until its marker follows, so no temporary name is needed)."""
+        import torch
+
+        path = self._path(name, STATE_FILE)
+        if self.is_url:
+            self.fs.makedirs(self._path(name), exist_ok=True)
+            with self.fs.open(path, "wb") as handle:
+                torch.save(state, handle)
+            return
+        os.makedirs(self._path(name), exist_ok=True)
+        with open(path, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
 
     def open(self, *names: str) -> Any:
         if self.is_url:
@@ -356,6 +379,12 @@ class _ModuleState:
 
         set_model_state_dict(self.module, state_dict)
 
+    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load an unsharded state dict (a :data:`STATE_FILE`'s), sharding it if need be."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.module, state_dict, options=_full_options(self.module))
+
 
 class _OptimizerState:
     """An optimizer as DCP ``Stateful``, its state keyed by its module's parameter names."""
@@ -373,6 +402,31 @@ class _OptimizerState:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         set_optimizer_state_dict(self.module, self.optimizer, state_dict)
+
+    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load an unsharded state dict (a :data:`STATE_FILE`'s), sharding it if need be."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        options = _full_options(self.module)
+        set_optimizer_state_dict(self.module, self.optimizer, state_dict, options=options)
+
+
+def _full_options(module: torch.nn.Module) -> Any:
+    """State-dict options for loading an unsharded state dict into ``module``: as the full
+    state dict of a sharded one (DTensor parameters), as is into any other."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=_sharded(module))
+
+
+def _sharded(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s state differs by rank: a ``DTensor`` or ``ShardedTensor`` in it, or
+    an FSDP1 module."""
+    sharded = _sharded_types()
+    held = itertools.chain(module.parameters(), module.buffers())
+    return any(isinstance(t, sharded) for t in held) or any(
+        isinstance(m, sharded) for m in module.modules()
+    )
 
 
 class TrainingState:
@@ -595,7 +649,8 @@ def save(
             "load_latest()'s step + 1)",
         )
     known.refused.add(step)
-    alone = group.no_dist or _replicated(converted)
+    compact = _replicated(converted)
+    alone = group.no_dist or compact
     name = step_dir_name(step)
     if group.rank == 0:
         with _known_lock:
@@ -603,7 +658,7 @@ def save(
             known.present[step] = False  # until its marker is written
         if leftover:
             location.remove_tree(name)  # a save of this step that never committed
-    write = _Write(location, step, keep, group, known, alone)
+    write = _Write(location, step, keep, group, known, alone, compact)
     if not alone:
         group.barrier()  # no rank writes before rank 0 removed a leftover of this step
     if blocking:
@@ -655,7 +710,7 @@ def _replicated(converted: Mapping[str, Any]) -> bool:
             total += tensor.numel() * tensor.element_size()
             if total > _ALONE_MAX_BYTES or isinstance(tensor, sharded):
                 return False
-    return not any(isinstance(m, sharded) for module in modules for m in module.modules())
+    return not any(_sharded(module) for module in modules)
 
 
 def _sharded_types() -> tuple[type, ...]:
@@ -709,6 +764,7 @@ class _Write:
         group: _Group,
         known: _KnownSteps,
         alone: bool,
+        compact: bool,
     ) -> None:
         self.location = location
         self.step = step
@@ -716,6 +772,7 @@ class _Write:
         self.group = group
         self.known = known
         self.alone = alone
+        self.compact = compact
         self.name = step_dir_name(step)
         self.url = location.url(self.name)
         # Rank 0's reports up to this step go with it: a resume replays what MLflow may lack.
@@ -745,7 +802,11 @@ class _Write:
         failure: Exception | None = None
         if self.group.rank == 0:
             try:
-                dcp.save(state, storage_writer=self.location.writer(self.name), no_dist=True)
+                if self.compact:
+                    assert state is not None
+                    self.location.write_state(_plain_state_dict(state), self.name)
+                else:
+                    dcp.save(state, storage_writer=self.location.writer(self.name), no_dist=True)
             except Exception as exc:
                 failure = exc
         if self.group.world > 1:
@@ -1022,11 +1083,14 @@ def load_latest(
     location = _location(directory)
     converted = _to_dcp(state)
     group = _Group()
-    step = group.decide(lambda: latest_step(directory=location.root))
+    step, compact = group.decide(lambda: _newest(location))
     if step is not None:
         name = step_dir_name(step)
-        with group.quiet():
-            dcp.load(converted, storage_reader=location.reader(name), no_dist=group.no_dist)
+        if compact:
+            _load_state_file(location, (name, STATE_FILE), converted)
+        else:
+            with group.quiet():
+                dcp.load(converted, storage_reader=location.reader(name), no_dist=group.no_dist)
         _copy_back(state, converted)
         if group.rank == 0:
             _announce(f"resumed from step {step} at {location.url(name)}", log)
@@ -1039,6 +1103,54 @@ def load_latest(
     if group.rank == 0:
         _announce(f"no checkpoint under {location.root}: starting fresh", log)
     return None
+
+
+def _newest(location: _Location) -> tuple[int | None, bool]:
+    """The newest committed step, and whether it is a state file (else DCP's files)."""
+    step = latest_step(directory=location.root)
+    return step, step is not None and location.is_file(step_dir_name(step), STATE_FILE)
+
+
+def _load_state_file(
+    location: _Location, names: tuple[str, ...], converted: MutableMapping[str, Any]
+) -> None:
+    """Load a :data:`STATE_FILE` into ``converted`` as ``dcp.load`` would: modules and
+    optimizers through their state-dict API (into sharded ones too), tensors in place, other
+    values replaced; every key of the state must be in the file."""
+    import torch
+
+    with location.open(*names) as handle:
+        saved = torch.load(handle, map_location="cpu", weights_only=False)
+    missing = [key for key in converted if key not in saved]
+    if missing:
+        raise ConfigError(
+            "state",
+            f"has {', '.join(map(repr, missing))}, which {location.url(*names)} lacks: load a "
+            "checkpoint saved from the same keys",
+        )
+    for key, value in converted.items():
+        if isinstance(value, _ModuleState | _OptimizerState):
+            value.load_full_state_dict(saved[key])
+        else:
+            converted[key] = _assign(value, saved[key])
+
+
+def _assign(current: Any, saved: Any) -> Any:
+    """``saved`` in place of ``current``: a tensor of the same shape is copied into, a dict's
+    keys are assigned one by one (those the state has), anything else is replaced."""
+    import torch
+
+    if isinstance(current, torch.Tensor) and isinstance(saved, torch.Tensor):
+        if current.shape == saved.shape:
+            with torch.no_grad():
+                current.copy_(saved)
+            return current
+    elif isinstance(current, MutableMapping) and isinstance(saved, Mapping):
+        for key in list(current):
+            if key in saved:
+                current[key] = _assign(current[key], saved[key])
+        return current
+    return saved
 
 
 def _replay_reports(location: _Location, name: str, log: logging.Logger | None) -> None:
@@ -1085,23 +1197,26 @@ def warm_start(
     group = _Group()
     location = _Location(source)
 
-    def resolve() -> tuple[str, str]:
+    def resolve() -> tuple[tuple[str, ...], tuple[str, ...] | None]:
+        """The checkpoint's names under the source, and those of its state file (None: DCP)."""
         if location.is_file():
-            return "file", ""
+            return (), ()
+        if location.is_file(STATE_FILE):
+            return (), (STATE_FILE,)
         if location.is_file(_DCP_METADATA):
-            return "dcp", ""
+            return (), None
         if location.is_dir():
             steps = location.steps()
             committed = [s for s, done in steps.items() if done]
             if committed:
-                return "dcp", step_dir_name(max(committed))
+                name = step_dir_name(max(committed))
+                return (name,), (name, STATE_FILE) if location.is_file(name, STATE_FILE) else None
             raise ConfigError(WARM_START_ENV, f"{source} holds no committed checkpoint")
         raise ConfigError(WARM_START_ENV, f"{source} does not exist")
 
-    kind, name = group.decide(resolve)
-    names = (name,) if name else ()
-    if kind == "file":
-        loaded, total = _warm_from_file(location, modules)
+    names, state_file = group.decide(resolve)
+    if state_file is not None:
+        loaded, total = _warm_from_file(location, state_file, modules)
     else:
         loaded, total = _warm_from_dcp(location, names, modules, group)
     where = location.url(*names)
@@ -1154,7 +1269,9 @@ def _warm_from_dcp(
     return loaded, total
 
 
-def _warm_from_file(location: _Location, modules: Mapping[str, torch.nn.Module]) -> tuple[int, int]:
+def _warm_from_file(
+    location: _Location, names: tuple[str, ...], modules: Mapping[str, torch.nn.Module]
+) -> tuple[int, int]:
     import torch
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -1163,10 +1280,11 @@ def _warm_from_file(location: _Location, modules: Mapping[str, torch.nn.Module])
     )
     from torch.distributed.tensor import DTensor
 
-    with location.open() as handle:
-        saved = torch.load(handle, map_location="cpu", weights_only=True)
+    # A user's file is read as weights only; a checkpoint's state file may hold any extra value.
+    with location.open(*names) as handle:
+        saved = torch.load(handle, map_location="cpu", weights_only=not names)
     if not isinstance(saved, Mapping):
-        raise ConfigError(WARM_START_ENV, f"{location.root} does not hold a state dict")
+        raise ConfigError(WARM_START_ENV, f"{location.url(*names)} does not hold a state dict")
     per_module: dict[str, Mapping[str, Any]] = {}
     for key in modules:
         nested = saved.get(key)
@@ -1178,8 +1296,8 @@ def _warm_from_file(location: _Location, modules: Mapping[str, torch.nn.Module])
         if len(modules) > 1:
             raise ConfigError(
                 WARM_START_ENV,
-                f"{location.root} holds one state dict but the state has {len(modules)} modules;"
-                " save a dict of state dicts by state key",
+                f"{location.url(*names)} holds one state dict but the state has {len(modules)} "
+                "modules; save a dict of state dicts by state key",
             )
         per_module[next(iter(modules))] = saved
     loaded = total = 0

@@ -94,7 +94,7 @@ def train_ddp(
 
 def crash_while_saving(record: str, blocking: bool) -> None:
     """Attempt 0: rank 1 dies instead of saving step 2. Attempt 1 resumes (step 1), then rank 0
-    dies after step 2's data and DCP's metadata were written, before the commit marker. The
+    dies after step 2's data was written, before the commit marker. The
     state is small and replicated: rank 0 writes it alone."""
     import torch.distributed as dist
 
@@ -220,23 +220,27 @@ def train_fsdp(model_file: str) -> dict[str, Any] | None:
         dist.destroy_process_group()
 
 
-def load_fsdp_one_rank() -> dict[str, Any]:
-    """One rank (a 1-rank FSDP2 mesh) loads what 2 ranks saved."""
+def load_fsdp_one_rank(plain_dir: str) -> dict[str, Any]:
+    """One rank (a 1-rank FSDP2 mesh) loads what 2 ranks saved, and what one plain process
+    saved as a single state file (a full state dict, sharded as it loads)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     dist.init_process_group("gloo")
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     try:
-        model = fsdp_model(seed=3)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
-        step = ck.load_latest(ck.TrainingState(model, optimizer))
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {
-            "step": step,
-            "weights": full_weights(model),
-            "optim": get_optimizer_state_dict(model, optimizer, options=options),
-            "lr": optimizer.param_groups[0]["lr"],
-        }
+        loaded = {}
+        for key, directory in (("fsdp", None), ("plain", plain_dir)):
+            model = fsdp_model(seed=3)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+            step = ck.load_latest(ck.TrainingState(model, optimizer), directory=directory)
+            loaded[key] = {
+                "step": step,
+                "weights": full_weights(model),
+                "optim": get_optimizer_state_dict(model, optimizer, options=options),
+                "lr": optimizer.param_groups[0]["lr"],
+            }
+        return loaded
     finally:
         dist.destroy_process_group()
 
@@ -373,11 +377,7 @@ def test_rank_0_writes_a_small_replicated_state_alone_every_rank_a_large_one(
     distributor(str(tmp_path), timeout=120).run(save_small_and_large, str(small), str(large))
     # Both background saves committed though the function left its process group alive.
     assert step_dirs(small) == step_dirs(large) == ["step-000000000", "step-000000001"]
-    assert sorted(os.listdir(small / "step-000000001")) == [
-        ".metadata",
-        "COMMITTED",
-        "__0_0.distcp",
-    ]
+    assert sorted(os.listdir(small / "step-000000001")) == ["COMMITTED", ck.STATE_FILE]
     assert sorted(os.listdir(large / "step-000000001")) == [
         ".metadata",
         "COMMITTED",
@@ -449,8 +449,8 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint(
         distributor(str(directory), max_restarts=1).run(crash_while_saving, str(record), blocking)
     assert json.loads(record.read_text()) == {"start": 1}  # the restart resumed step 1
     assert ck.latest_step(directory=str(directory)) == 1
-    # Step 2 was written whole by DCP but never committed: it does not count.
-    assert (directory / "step-000000002" / ".metadata").exists()
+    # Step 2 was written whole but never committed: it does not count.
+    assert (directory / "step-000000002" / ck.STATE_FILE).exists()
     assert not (directory / "step-000000002" / ck.COMMIT_MARKER).exists()
 
     # Loads in one process without a process group (2 ranks -> 1), then saves step 2 again.
@@ -462,11 +462,8 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint(
     (directory / "step-000000002" / "__1_0.distcp").write_bytes(b"from a crashed save")
     ck.save(state, 2, directory=str(directory))
     assert ck.latest_step(directory=str(directory)) == 2
-    assert sorted(os.listdir(directory / "step-000000002")) == [
-        ".metadata",
-        "COMMITTED",
-        "__0_0.distcp",  # the crashed save's files are gone
-    ]
+    # The crashed save's files are gone.
+    assert sorted(os.listdir(directory / "step-000000002")) == ["COMMITTED", ck.STATE_FILE]
 
 
 def test_fsdp2_checkpoint_of_2_ranks_loads_on_1_rank(tmp_path: Path) -> None:
@@ -483,10 +480,27 @@ def test_fsdp2_checkpoint_of_2_ranks_loads_on_1_rank(tmp_path: Path) -> None:
     assert_same(saved["warm"]["file"], source.state_dict())
     assert_same(saved["warm"]["dcp"], saved["weights"])
 
-    loaded = distributor(directory, num_processes=1).run(load_fsdp_one_rank)
+    plain_dir = tmp_path / "plain"
+    plain_model = FsdpNet()
+    plain_optimizer = torch.optim.AdamW(plain_model.parameters(), lr=0.25)
+    plain_model(torch.randn(4, 8)).sum().backward()
+    plain_optimizer.step()
+    ck.save(ck.TrainingState(plain_model, plain_optimizer), 6, directory=str(plain_dir))
+    assert (plain_dir / "step-000000006" / ck.STATE_FILE).exists()
+
+    both = distributor(directory, num_processes=1).run(load_fsdp_one_rank, str(plain_dir))
+    loaded = both["fsdp"]
     assert loaded["step"] == 1 and loaded["lr"] == 0.05
     assert_same(loaded["weights"], saved["weights"])
     assert_same_tree(loaded["optim"], saved["optim"])
+    from_file = both["plain"]
+    assert from_file["step"] == 6 and from_file["lr"] == 0.25
+    assert_same(from_file["weights"], plain_model.state_dict())
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = StateDictOptions(full_state_dict=True)
+    plain_optim = get_optimizer_state_dict(plain_model, plain_optimizer, options=full)
+    assert_same_tree(from_file["optim"], plain_optim)
 
     plain = FsdpNet()  # and into a plain model in this process
     assert ck.load_latest({"model": plain}, directory=directory) == 1
@@ -636,6 +650,15 @@ def test_warm_start_from_a_model_file_and_a_checkpoint_dir(
     monkeypatch.delenv(ck.WARM_START_ENV)
     assert ck.load_latest({"model": toy_model()}, directory=fresh_dir) is None
     assert f"no checkpoint under {fresh_dir}: starting fresh" in capsys.readouterr().err
+
+
+def test_a_state_with_a_key_the_checkpoint_lacks_is_refused(tmp_path: Path) -> None:
+    model, optimizer = trained(0)
+    ck.save({"model": model}, 0, directory=str(tmp_path))
+    assert sorted(os.listdir(tmp_path / "step-000000000")) == ["COMMITTED", ck.STATE_FILE]
+    with pytest.raises(ConfigError, match=r"'optim', which .* lacks") as info:
+        ck.load_latest({"model": model, "optim": optimizer}, directory=str(tmp_path))
+    assert info.value.argument == "state"
 
 
 def test_config_errors() -> None:
