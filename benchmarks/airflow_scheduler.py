@@ -33,7 +33,8 @@ import common
 import pages
 from common import Series, log, print_table, ratio
 
-common.prepare_environment()
+if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
+    common.prepare_environment()
 sys.path.insert(0, str(common.ROOT))
 
 from harness.airflow_services import (  # noqa: E402

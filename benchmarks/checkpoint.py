@@ -56,7 +56,8 @@ import common
 import pages
 from common import log, median, print_table, ratio
 
-common.prepare_environment()
+if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
+    common.prepare_environment()
 
 NAME = "checkpoint"
 EXAMPLE = common.ROOT / "examples" / "ddp_train.py"

@@ -24,7 +24,8 @@ import common
 import pages
 from common import log, print_table, ratio
 
-common.prepare_environment()
+if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
+    common.prepare_environment()
 
 NAME = "concurrency"
 RUNS = 3

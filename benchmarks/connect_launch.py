@@ -50,7 +50,8 @@ import pages
 import psutil
 from common import log, print_table, ratio
 
-common.prepare_environment()
+if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
+    common.prepare_environment()
 sys.path.insert(0, str(common.ROOT))
 
 import jobs  # noqa: E402  (needs the benchmarks dir on sys.path, set just above)

@@ -39,7 +39,8 @@ import common
 import pages
 from common import log, median, print_table
 
-common.prepare_environment()
+if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
+    common.prepare_environment()
 
 NAME = "dataframe_input"
 FEATURES = 32

@@ -26,7 +26,8 @@ import pages
 import psutil
 from common import RssSampler, log, print_table
 
-common.prepare_environment()
+if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
+    common.prepare_environment()
 
 import jobs  # noqa: E402  (needs the benchmarks dir on sys.path, set just above)
 

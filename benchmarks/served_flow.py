@@ -52,7 +52,8 @@ import common
 import pages
 from common import Series, log, median, print_table, ratio
 
-common.prepare_environment()
+if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
+    common.prepare_environment()
 sys.path.insert(0, str(common.ROOT))
 
 from harness.prefect_served import (  # noqa: E402
