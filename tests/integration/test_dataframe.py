@@ -132,6 +132,26 @@ def test_fewer_rows_than_ranks_fail_once_the_shards_are_written(spark: Any) -> N
         distributor.train_on_dataframe(ids_seen, _frame(spark, 1, 1), 4)
 
 
+def test_an_input_that_fails_while_the_shards_are_written_fails_the_run(spark: Any) -> None:
+    # A read that fails while a task writes its shards (here: a row of a column the check
+    # never evaluates) fails the run's Spark job (Spark's barrier failure does not carry the
+    # task's error), with the agents already started; the session's next run is unharmed.
+    from pyspark.sql import functions as F
+
+    from sparktorch_ops import TrainingFailedError
+
+    broken = _frame(spark, 2000, 2).withColumn(
+        "label", F.when(F.col("id") == 1500, F.raise_error(F.lit("row 1500 is bad"))).otherwise(1)
+    )
+    distributor = TorchDistributor(
+        num_processes=2, local_mode=False, use_gpu=False, spark=spark, timeout=120
+    )
+    with pytest.raises(TrainingFailedError, match="the Spark job failed"):
+        distributor.train_on_dataframe(ids_seen, broken, 64)
+    after = distributor.launch_on_dataframe(ids_seen, _frame(spark, 200, 2), 64)
+    assert sorted(len(r["ids"]) for r in after.value["ranks"]) == [100, 100]
+
+
 def test_pyspark_name_and_bad_input_are_typed_errors(spark: Any) -> None:
     distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark)
     assert distributor._train_on_dataframe == distributor.train_on_dataframe
