@@ -37,7 +37,7 @@ if __name__ == "__main__":  # not in a Spark worker that imports this module for
     common.prepare_environment()
 sys.path.insert(0, str(common.ROOT))
 
-from harness.airflow_services import (  # noqa: E402
+from harness.airflow_services import (
     RankMarkers,
     airflow_command,
     airflow_env,

@@ -54,9 +54,9 @@ if __name__ == "__main__":  # not in a Spark worker that imports this module for
     common.prepare_environment()
 sys.path.insert(0, str(common.ROOT))
 
-import jobs  # noqa: E402  (needs the benchmarks dir on sys.path, set just above)
+import jobs
 
-from harness.connect_server import ConnectServer  # noqa: E402
+from harness.connect_server import ConnectServer
 
 NAME = "connect_launch"
 MASTER = "local[2]"

@@ -28,7 +28,7 @@ from common import RssSampler, log, median, print_table, ratio
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
 
-import jobs  # noqa: E402  (needs the benchmarks dir on sys.path, set just above)
+import jobs
 
 NAME = "result"
 MIB = 256

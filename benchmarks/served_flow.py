@@ -56,7 +56,7 @@ if __name__ == "__main__":  # not in a Spark worker that imports this module for
     common.prepare_environment()
 sys.path.insert(0, str(common.ROOT))
 
-from harness.prefect_served import (  # noqa: E402
+from harness.prefect_served import (
     PrefectServer,
     ServedFlow,
     prefect_env,
@@ -67,7 +67,7 @@ from harness.prefect_served import (  # noqa: E402
     wait_for_deployment,
     wait_for_final_state,
 )
-from harness.procs import processes_with_marker  # noqa: E402
+from harness.procs import processes_with_marker
 
 NAME = "served_flow"
 ROOT = common.ROOT

@@ -26,7 +26,7 @@ if __name__ == "__main__":  # not in a Spark worker that imports this module for
     common.prepare_environment()
 sys.path.insert(0, str(common.ROOT))
 
-from harness.airflow_services import running_airflow  # noqa: E402
+from harness.airflow_services import running_airflow
 
 NAME = "sweep_dag"
 DAG = "sweep_digits"

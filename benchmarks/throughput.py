@@ -66,7 +66,7 @@ from common import JOBS_SCRIPT, WARM_AGENT_ENV, log, median, print_table, ratio
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
 
-import jobs  # noqa: E402  (needs the benchmarks dir on sys.path, set just above)
+import jobs
 
 NAME = "throughput"
 BASELINE = "torchrun"
