@@ -34,6 +34,7 @@ from sparktorch_ops.errors import ResultTooLargeError
 from sparktorch_ops.results import OUTPUT_CUT_NOTE, MetricRecord, RankFailure
 from sparktorch_ops.wire import channel
 from sparktorch_ops.wire.messages import (
+    ARRIVED,
     EXIT,
     FAILURE,
     METRIC,
@@ -44,6 +45,7 @@ from sparktorch_ops.wire.messages import (
     STACKS,
     STDERR,
     STDOUT,
+    Arrived,
     ExitReport,
     FailureReport,
     Hello,
@@ -273,6 +275,8 @@ class RunCollector(channel.ChannelHandler):
                 self.coordinator.rendezvous_ready(RendezvousPort.decode(payload))
             elif kind == SHARDS:
                 self.coordinator.shards_written(hello.node, ShardSizes.decode(payload))
+            elif kind == ARRIVED:
+                self.coordinator.node_arrived(peer, Arrived.decode(payload).node)
             elif kind == EXIT:
                 code = ExitReport.decode(payload).exit_code
                 with self._lock:

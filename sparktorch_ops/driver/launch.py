@@ -27,7 +27,7 @@ from sparktorch_ops.driver.prepare import Prepared
 from sparktorch_ops.events import RunState, RunStateMachine
 from sparktorch_ops.launchers.barrier import BarrierLauncher
 from sparktorch_ops.launchers.base import Launcher
-from sparktorch_ops.launchers.connect import ConnectBarrierLauncher
+from sparktorch_ops.launchers.connect import ARRIVAL_WAIT_S, ConnectBarrierLauncher
 from sparktorch_ops.launchers.local import LocalLauncher
 from sparktorch_ops.results import MetricRecord
 from sparktorch_ops.spark import session as spark_support
@@ -107,6 +107,7 @@ def _launcher(
     if data is not None:
         collector.coordinator.expect_shards(plan.layout.num_tasks)
     if spark_support.is_connect_session(sc):
+        collector.coordinator.expect_arrivals(plan.layout.num_tasks, ARRIVAL_WAIT_S, server.send)
         return ConnectBarrierLauncher(
             plan,
             payload,
@@ -199,6 +200,7 @@ def launch(
         raise
     finally:
         server.close()
+        collector.coordinator.close()
         if launcher is not None:
             launcher.finish()
             machine.emit(events.LAUNCHER_FINISHED)

@@ -3,10 +3,12 @@
 A Connect client has no SparkContext: the stage is ``spark.range(n, numPartitions=n)`` (or the
 laid-out DataFrame input) ``.mapInArrow(task, ..., barrier=True)``, its rows are the tasks'
 reports plus any frames they relayed, and the job is stopped by ``interruptTag`` with the run's
-id. The tasks agree on the rendezvous port and data layout among themselves
-(``BarrierTask.coordinate_in_stage``): the client may be out of the executors' reach, and then
-each task relays its ranks' output, metrics and result with its report (:mod:`sparktorch_ops.
-relay`), replayed here into the run's collector before the stage counts as ended.
+id. The client may be out of the executors' reach (``BarrierTask.coordinate_in_stage``): a
+task that cannot reach it relays its ranks' output, metrics and result with its report
+(:mod:`sparktorch_ops.node.relay`), replayed here into the run's collector before the stage
+counts as ended. When every task reached the client, the client tells them the rendezvous port
+and data layout as on a classic session; else the tasks agree on both among themselves (see
+:mod:`sparktorch_ops.driver.coordinator`).
 
 A client cannot count the cluster's free slots: the master's own size is used where it fixes
 one (``local[N]``, ``local-cluster[N,C,M]``), and otherwise a start deadline (the run's
@@ -24,7 +26,14 @@ from typing import Any
 
 from sparktorch_ops.launchers.barrier import BarrierLauncher
 from sparktorch_ops.node.relay import RelayedFrame, Replayer
-from sparktorch_ops.node.task import STAGE_DDL, BarrierTask, TaskReport, stage_row_item, stage_rows
+from sparktorch_ops.node.task import (
+    REACH_TIMEOUT_S,
+    STAGE_DDL,
+    BarrierTask,
+    TaskReport,
+    stage_row_item,
+    stage_rows,
+)
 from sparktorch_ops.spark.dataframe import PreparedInput
 from sparktorch_ops.spark.session import (
     connect_endpoint,
@@ -38,6 +47,10 @@ from sparktorch_ops.wire.plan import RunPlan
 #: How long a Connect run waits for its barrier tasks to start when ``start_timeout`` is unset
 #: (Spark itself would retry a stage that lacks slots for about 10 minutes).
 START_DEADLINE_S = 120.0
+#: How long after the first barrier task reached the client the others may take before the
+#: tasks agree among themselves: a task gives up reaching it after ``REACH_TIMEOUT_S``, and
+#: the tasks of a stage start within moments of each other.
+ARRIVAL_WAIT_S = REACH_TIMEOUT_S + 3.0
 _INTERRUPT_WAIT_S = 5.0
 _SERVER_CHECK_S = 5.0
 

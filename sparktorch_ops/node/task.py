@@ -45,9 +45,11 @@ from sparktorch_ops.wire.env import (
 )
 from sparktorch_ops.wire.messages import (
     DATA,
+    IN_STAGE,
     RDZV,
     STDERR,
     STDOUT,
+    Arrived,
     DataLayout,
     ExitReport,
     Hello,
@@ -137,9 +139,11 @@ class BarrierTask:
 
     The tasks of a classic session learn the rendezvous port and the data layout from the
     driver, which holds the store until it has heard every agent exit. With
-    ``coordinate_in_stage`` (Spark Connect, whose client the executors may not reach) they
-    agree on both among themselves (one ``allGather``); a task that cannot reach the driver's
-    channel within :data:`REACH_TIMEOUT_S` serves its ranks with a
+    ``coordinate_in_stage`` (Spark Connect, whose client the executors may not reach) a task
+    that reached the driver says so (``Arrived``) and learns both from the driver as well once
+    every task has; else, as told by the driver, the tasks agree on both among themselves
+    (one ``allGather``, which costs Spark's one-second poll). A task that cannot reach the
+    driver's channel within :data:`REACH_TIMEOUT_S` serves its ranks with a
     :class:`~sparktorch_ops.node.relay.Relay` and yields the recorded frames after its report. When
     any task relays, the tasks also stop each other's agents (:class:`StopSignal`) and wait for
     each other at a final ``barrier()`` instead of the driver.
@@ -210,6 +214,8 @@ class BarrierTask:
         client, relay, unreachable = self._connect(hello, workdir)
         store = None
         try:
+            if self.coordinate_in_stage and relay is None:
+                client.send_message(Arrived(node=node))
             data_env: dict[str, str] = {}
             shard_rows: list[int] | None = None
             # Told the layout by the driver, the task starts its agent first and writes the
@@ -242,12 +248,15 @@ class BarrierTask:
                 if port_message.error is not None and not self.coordinate_in_stage:
                     return TaskReport(node, hosts[node], None, port_message.error), relay
             anyone_relays = False
-            if self.coordinate_in_stage:
+            told = None
+            if relay is None:
+                told = self._from_driver(client, port_message, data=not streamed)
+            if told is None:  # some task could not reach the driver: agree in the stage
                 port, epoch_rows, anyone_relays = self._agree(
                     ctx, port_message, shard_rows, relay is not None
                 )
             else:
-                port, epoch_rows = self._from_driver(client, port_message, data=not streamed)
+                port, epoch_rows = told
             if epoch_rows is not None:
                 data_env[EPOCH_ROWS_ENV] = str(epoch_rows)
             endpoint = channel.join_address(hosts[0], port)
@@ -275,15 +284,21 @@ class BarrierTask:
 
     def _from_driver(
         self, client: channel.ChannelClient, own: RendezvousPort | None, data: bool = True
-    ) -> tuple[int, int | None]:
+    ) -> tuple[int, int | None] | None:
         """The rendezvous port (task 0 has its ``own``) and, with DataFrame input and
-        ``data``, the rows per epoch, from the driver."""
-        wanted = {RDZV} if own is None else set()
+        ``data``, the rows per epoch, from the driver; None when the driver says to agree
+        in the stage instead (over Connect, where some task could not reach it)."""
+        # Over Connect task 0 too waits for its port back: the driver's word that every task
+        # reached it, so that none of them waits in the stage for this one.
+        hears_port = own is None or own.port is None or self.coordinate_in_stage
+        wanted = {RDZV} if hears_port else set()
         if self.data_schema is not None and data:
             wanted.add(DATA)
         port, epoch_rows = (own.port or 0) if own is not None else 0, None
         while wanted:
             kind, payload = client.recv_frame()
+            if kind == IN_STAGE and self.coordinate_in_stage:
+                return None
             if kind == RDZV:
                 port_message = RendezvousPort.decode(payload)
                 if port_message.port is None:

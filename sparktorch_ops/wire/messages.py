@@ -29,6 +29,8 @@ SHARDS = 12  # barrier task -> driver: the sizes of the data shards it wrote for
 DATA = 13  # driver -> every task: rows per rank per epoch, once every task has its shards
 STACK_REQUEST = 14  # driver -> a rank's supervisor: where are the rank's threads now?
 STACKS = 15  # supervisor -> driver: the answer
+ARRIVED = 16  # barrier task over Connect -> driver: it reached the driver and waits to be told
+IN_STAGE = 17  # driver -> those tasks: some task did not reach it; agree among yourselves
 
 Role = Literal["node", "supervisor", "worker"]
 ROLES = ("node", "supervisor", "worker")
@@ -341,3 +343,23 @@ class RankStacks(Message):
         """A known source."""
         if self.source not in STACK_SOURCES:
             raise MessageError(f"RankStacks.source must be one of {STACK_SOURCES}")
+
+
+@dataclass(frozen=True)
+class Arrived(Message):
+    """A barrier task over Spark Connect reached the driver: it waits for the rendezvous port
+    and the data layout from the driver, unless told to agree in the stage
+    (:class:`AgreeInStage`)."""
+
+    KIND: ClassVar[int] = ARRIVED
+    node: int
+
+    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {"node": (int, False)}
+
+
+@dataclass(frozen=True)
+class AgreeInStage(Message):
+    """The driver to the tasks that reached it: some task did not in time, so the tasks agree
+    on the rendezvous port and the data layout among themselves (Spark's ``allGather``)."""
+
+    KIND: ClassVar[int] = IN_STAGE

@@ -36,6 +36,7 @@ from harness.procs import processes_with_marker, wait_until_gone
 from sparktorch_ops.wire.env import RUN_ID_ENV
 from tests.support.cluster import cluster_env, spark_home, stop_process_groups
 from tests.support.driver import ROOT
+from tests.support.records import collecting_logger
 
 pytestmark = pytest.mark.cluster
 
@@ -459,3 +460,86 @@ def test_killed_driver_leaves_nothing_on_either_host(
     seconds = time.monotonic() - started
     assert left == [], [(p.pid, _net_namespace(p.pid), p.cmdline()[:4]) for p in left]
     print(f"{len(marked)} processes of the run gone {seconds:.1f} s after the SIGKILL")
+
+
+def connect_all_reduce() -> dict[str, Any]:
+    """Rank code over Connect: the all-reduced sum and the address this rank's host has."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    addresses = [
+        entry.address
+        for entries in psutil.net_if_addrs().values()
+        for entry in entries
+        if entry.family == socket.AF_INET and not entry.address.startswith("127.")
+    ]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"sum": total.item(), "addresses": addresses})
+    dist.destroy_process_group()
+    return {"ranks": everyone}
+
+
+def test_over_connect_a_host_that_cannot_reach_the_client_makes_the_tasks_agree_in_the_stage(
+    two_hosts: TwoHostCluster, tmp_path: Path
+) -> None:
+    # Runs after the driver program is gone (its application held every core). One host
+    # reaches the client's channel, the other does not (a blackhole route): the task there
+    # relays its ranks' frames and agrees with the other task in the stage; the reaching task
+    # tells the client it arrived and waits, until the client, never hearing from the other,
+    # tells it to agree in the stage too. Each host in turn is the one cut off, so that task 0
+    # (which hosts the store and knows its port) is the reaching one in one of the runs.
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    from sparktorch_ops import TorchDistributor
+    from tests.support.connect_server import running_connect_server
+
+    hosts = two_hosts.hosts
+    advertised = str(ipaddress.ip_address(hosts.bridge_address) + 200)
+    _ip("addr", "add", f"{advertised}/32", "dev", hosts.bridge)
+    conf = {
+        "spark.driver.host": hosts.bridge_address,
+        "spark.driver.bindAddress": hosts.bridge_address,
+        "spark.executor.memory": "1g",
+        "spark.ui.enabled": "false",
+    }
+    relayed: dict[str, list[str]] = {}
+    try:
+        with running_connect_server(tmp_path, two_hosts.master_url, conf) as server:
+            session = ConnectSession.builder.remote(server.url).getOrCreate()
+            try:
+                for namespace in reversed(hosts.namespaces):
+                    route = ("netns", "exec", namespace, "ip", "route")
+                    _ip(*route, "add", "blackhole", f"{advertised}/32")
+                    logger, collect = collecting_logger("tests.multihost.connect")
+                    try:
+                        result = TorchDistributor(
+                            num_processes=2,
+                            local_mode=False,
+                            use_gpu=False,
+                            spark=session,
+                            channel_host=advertised,
+                            start_timeout=120,
+                            timeout=150,
+                            logger=logger,
+                        ).launch(connect_all_reduce)
+                    finally:
+                        _ip(*route, "del", "blackhole", f"{advertised}/32", check=False)
+                    ranks = result.value["ranks"]
+                    assert [r["sum"] for r in ranks] == [3.0, 3.0]
+                    on_hosts = sorted(
+                        a for r in ranks for a in r["addresses"] if a in hosts.addresses
+                    )
+                    assert on_hosts == sorted(hosts.addresses)  # one rank on each host
+                    relayed[namespace] = [m for m in collect.messages() if "could not reach" in m]
+            finally:
+                session.stop()
+    finally:
+        _ip("addr", "del", f"{advertised}/32", "dev", hosts.bridge, check=False)
+    for warnings in relayed.values():  # one task relayed in each run
+        assert len(warnings) == 1, relayed
+        assert re.search(r"barrier task\(s\) [01] could not reach", warnings[0]), warnings
+    tasks = {ns: re.findall(r"task\(s\) (\d)", w[0]) for ns, w in relayed.items()}
+    print(f"the task that relayed, by host cut off: {tasks}")

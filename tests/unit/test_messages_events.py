@@ -9,6 +9,8 @@ import pytest
 from sparktorch_ops import events
 from sparktorch_ops.events import InvalidTransition, PhaseEvent, RunState, RunStateMachine
 from sparktorch_ops.wire.messages import (
+    AgreeInStage,
+    Arrived,
     ExitReport,
     FailureReport,
     Hello,
@@ -27,6 +29,8 @@ def test_messages_round_trip() -> None:
         ResultEnd(size=10),
         RendezvousPort(port=29500),
         RendezvousPort(error="cannot bind"),
+        Arrived(node=1),
+        AgreeInStage(),
     ):
         assert type(message).decode(message.encode()) == message
     hello = Hello(role="supervisor", rank=2, local_rank=0, host="h", attempt=1, pid=5)
@@ -46,6 +50,8 @@ def test_messages_round_trip() -> None:
         (ResultEnd, b'{"size": 1e400}'),
         (RendezvousPort, b'{"port": 70000}'),
         (RendezvousPort, b"{}"),
+        (Arrived, b"{}"),
+        (Arrived, b'{"node": "0"}'),
         (RendezvousPort, b"[" * 100000 + b"]" * 100000),
     ],
 )
