@@ -403,7 +403,11 @@ def main(argv: list[str] | None = None) -> int:
                 "of our runs are the medians of the times between the run's phase events. "
                 "rows/s per rank is over the rank's own loading time (loader creation to last "
                 "batch); maxrss is getrusage(RUSAGE_SELF) of the rank process (torch import "
-                "included). pyspark's loader delivers only num_samples rows (capped) per rank."
+                "included). pyspark's loader delivers only num_samples rows (capped) per rank. "
+                "A pyspark run between ours leaves our next run mostly on Spark Python workers "
+                "that never imported torch (task 0 imports it for the rendezvous store, the "
+                "warm agent starts anew: a slower 'shards' phase); --pyspark-samples 0 runs "
+                "ours alone."
             ),
         },
         machine,
