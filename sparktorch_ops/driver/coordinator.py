@@ -31,9 +31,9 @@ from sparktorch_ops.wire.messages import (
     ShardSizes,
 )
 
-#: The decisions over Connect: the driver tells every task, or the tasks agree in the stage.
-FROM_DRIVER = "driver"
-IN_THE_STAGE = "stage"
+# The decisions over Connect: the driver tells every task, or the tasks agree in the stage.
+_FROM_DRIVER = "driver"
+_IN_THE_STAGE = "stage"
 
 
 class Coordinator:
@@ -62,11 +62,6 @@ class Coordinator:
         self._wait_s = 0.0
         self._send: Callable[[int, Message], None] | None = None
 
-    @property
-    def decision(self) -> str | None:
-        """Over Connect, :data:`FROM_DRIVER` or :data:`IN_THE_STAGE` once decided."""
-        return self._decision
-
     def expect_shards(self, tasks: int) -> None:
         """Barrier mode with DataFrame input: ``tasks`` tasks will report shard sizes."""
         self._data_nodes = tasks
@@ -80,7 +75,7 @@ class Coordinator:
         self._tasks, self._wait_s, self._send = tasks, wait_s, send
 
     def _telling(self) -> bool:
-        return self._tasks is None or self._decision == FROM_DRIVER
+        return self._tasks is None or self._decision == _FROM_DRIVER
 
     def node_connected(self, peer: channel.Peer) -> None:
         """A barrier task connected: it hears the rendezvous port if it is known already."""
@@ -104,7 +99,7 @@ class Coordinator:
             if decision is None:
                 self._arrived[node] = peer.conn_id
                 if len(self._arrived) == self._tasks:
-                    self._decision = FROM_DRIVER
+                    self._decision = _FROM_DRIVER
                     if self._timer is not None:
                         self._timer.cancel()
                     tell = list(self._nodes.values())
@@ -113,7 +108,7 @@ class Coordinator:
                     self._timer.daemon = True
                     self._timer.start()
             port, layout = self._rendezvous, self._layout
-        if decision == IN_THE_STAGE:
+        if decision == _IN_THE_STAGE:
             peer.reply(IN_STAGE, AgreeInStage().encode())
         for each in tell:
             if port is not None:
@@ -127,7 +122,7 @@ class Coordinator:
         with self._lock:
             if self._decision is not None:
                 return
-            self._decision = IN_THE_STAGE
+            self._decision = _IN_THE_STAGE
             arrived = list(self._arrived.values())
         assert self._send is not None
         for conn_id in arrived:
