@@ -16,30 +16,12 @@ from sparktorch_ops import options
 from sparktorch_ops.driver.durable import TrainingTry
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
+from sparktorch_ops.wire.env import TORCHRUN_RANK_VARIABLES
 
 # Rank 0's pickled return value may be this large by default (max_result_bytes=).
 # Local mode starts at most this many ranks per CPU of the driver by default
 # (max_local_processes=): more is a typo or a runaway loop, not a plan.
 LOCAL_PROCESSES_PER_CPU = 4
-
-# Environment variables torchrun sets per rank; a user value would silently break the rendezvous.
-RESERVED_ENV = frozenset(
-    {
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "GROUP_WORLD_SIZE",
-        "ROLE_RANK",
-        "ROLE_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_RESTART_COUNT",
-        "TORCHELASTIC_MAX_RESTARTS",
-        "TORCHELASTIC_RUN_ID",
-    }
-)
 
 # torchrun options that the distributor owns: the layout, the rendezvous and the entry point.
 OWNED_TORCHRUN_OPTIONS = (
@@ -118,7 +100,7 @@ def _check_env(env: Mapping[str, str] | None) -> dict[str, str]:
     for key, value in env.items():
         if not isinstance(key, str) or not _ENV_NAME.match(key):
             raise ConfigError("env", f"{key!r} is not a valid environment variable name")
-        if key in RESERVED_ENV:
+        if key in TORCHRUN_RANK_VARIABLES:
             raise ConfigError(
                 "env", f"{key} is set by torchrun for each rank and cannot be overridden"
             )

@@ -9,10 +9,11 @@ other's environment, modules or thread settings.
 
 When the warm process is not used: ``SPARKTORCH_OPS_WARM_AGENT=0`` in the launcher's
 environment; a platform without ``pidfd_open``; an agent environment that differs from the one
-the warm process started with in anything but the run's own variables (it read them when it
-imported torch: a new warm process takes its place); a warm process that has initialised CUDA
-(refused: a fork could not use it). A warm process is dropped after any run that did not succeed
-(failure, cancel, timeout), so none is left after those; it goes with its launcher.
+the warm process started with in what torch's import may read (anything but the run's own
+variables, its GPUs and a torch group's ranks: a new warm process takes its place); a warm
+process that has initialised CUDA (refused: a fork could not use it). A warm process is dropped
+after any run that did not succeed (failure, cancel, timeout), so none is left after those; it
+goes with its launcher.
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ from typing import Any
 
 from sparktorch_ops.node.forkserver import command_line_room, slot_value
 from sparktorch_ops.node.process import AgentProcess, ProcessHandle, pump_lines, terminate_tree
-from sparktorch_ops.wire.env import PER_RUN_VARIABLES, WARM_AGENT_ENV, WARM_PROCESS_ENV
+from sparktorch_ops.wire.env import (
+    PER_RUN_VARIABLES,
+    TORCH_GROUP_VARIABLES,
+    WARM_AGENT_ENV,
+    WARM_PROCESS_ENV,
+)
 
 #: ``0`` (or ``false``/``no``/``off``) in the launcher's environment: start every agent cold.
 # How long a run waits for the warm process to fork its agent (its first run includes the
@@ -42,6 +48,9 @@ _FORK_TIMEOUT_S = 120.0
 # Our own variables, which the warm process's imports never read: those of a run, and any
 # other SPARKTORCH_* a caller sets for its own code.
 _OWN_PREFIX = "SPARKTORCH_"
+# Read only once a process starts CUDA or joins a process group, never by torch's import (the
+# warm process does neither): the GPUs Spark assigns a run, and a torch group's ranks.
+_READ_AFTER_IMPORT = TORCH_GROUP_VARIABLES | {"CUDA_VISIBLE_DEVICES"}
 
 _log = logging.getLogger(__name__)
 
@@ -57,9 +66,14 @@ def warm_enabled(environ: dict[str, str] | os._Environ[str] = os.environ) -> boo
 
 
 def import_environment(env: dict[str, str]) -> dict[str, str]:
-    """The part of an agent's environment that its imports may read: all but the run's own."""
+    """The part of an agent's environment that its imports may read: all but the run's own
+    variables and those torch reads only after its import."""
     return {
-        k: v for k, v in env.items() if not k.startswith(_OWN_PREFIX) and k not in PER_RUN_VARIABLES
+        k: v
+        for k, v in env.items()
+        if not k.startswith(_OWN_PREFIX)
+        and k not in PER_RUN_VARIABLES
+        and k not in _READ_AFTER_IMPORT
     }
 
 

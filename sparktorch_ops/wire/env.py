@@ -82,6 +82,36 @@ NCCL_IFNAME_ENV = "NCCL_SOCKET_IFNAME"
 #: Every variable that differs from run to run.
 PER_RUN_VARIABLES: frozenset[str] = frozenset(_PER_RUN)
 
+#: What torchrun sets for each rank it starts (a user's value would silently break the
+#: rendezvous: ``env=`` refuses them).
+TORCHRUN_RANK_VARIABLES: frozenset[str] = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "TORCHELASTIC_RUN_ID",
+    }
+)
+#: What a torch launcher sets for the processes of one group: torchrun for each rank, and
+#: pyspark's TorchDistributor in the Spark Python worker its task ran in (where they stay for
+#: the worker's next task). An agent never passes another group's on: torchrun sets each rank's
+#: own, and a stale one would make the launcher's environment differ from run to run.
+TORCH_GROUP_VARIABLES: frozenset[str] = TORCHRUN_RANK_VARIABLES | {
+    "ROLE_NAME",
+    "NODE_RANK",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "PYSPARK_TORCH_DISTRIBUTOR_RDZV_ID",
+}
+
 #: Variables that would let a rank reach the tracking server (never sent there).
 TRACKING_ENV_PREFIXES = ("MLFLOW_TRACKING_", "DATABRICKS_")
 

@@ -18,6 +18,7 @@ from sparktorch_ops.wire.env import (
     PAYLOAD_ENV,
     RUN_ID_ENV,
     SECRET_FILE_ENV,
+    TORCH_GROUP_VARIABLES,
     strip_tracking_env,
 )
 
@@ -46,12 +47,16 @@ def agent_env(
     """The environment of one node's agent; torchrun passes it on to every rank it starts.
 
     ``user_env`` wins over ``base_env`` (which loses MLflow's tracking URI and credentials:
-    ranks never talk to MLflow); OMP_NUM_THREADS is set only where neither sets it
-    (Spark itself exports ``spark.task.cpus`` there for its Python workers); CUDA_VISIBLE_DEVICES
-    is set whenever GPUs were assigned, and left as the node has it for CPU runs.
+    ranks never talk to MLflow; and any other torch group's ranks and rendezvous,
+    :data:`~sparktorch_ops.wire.env.TORCH_GROUP_VARIABLES`); OMP_NUM_THREADS is set only where
+    neither sets it (Spark itself exports ``spark.task.cpus`` there for its Python workers);
+    CUDA_VISIBLE_DEVICES is set whenever GPUs were assigned, and left as the node has it for CPU
+    runs.
     """
     # Ranks never talk to MLflow: the driver tracks the run (only the user's env= may say so).
     env = strip_tracking_env(base_env)
+    for name in TORCH_GROUP_VARIABLES.intersection(env):
+        del env[name]
     env.update(user_env)
     env[RUN_ID_ENV] = run_id
     env[CHANNEL_ENV] = channel

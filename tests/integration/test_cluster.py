@@ -375,6 +375,29 @@ def layout():
     dist.destroy_process_group()
     return everyone
 
+def warm_agents():
+    # Every rank's Python worker (its launcher), warm process and any other group's variables.
+    import psutil
+    import torch.distributed as dist
+    agent = psutil.Process().parent().parent()  # rank < supervisor < agent < warm < worker
+    warm = psutil.Process(agent.ppid())
+    mine = {{"worker": warm.ppid(), "warm": warm.pid,
+             "stale": sorted(k for k in ("NODE_RANK", "PYSPARK_TORCH_DISTRIBUTOR_RDZV_ID") if k in os.environ)}}
+    dist.init_process_group("gloo")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    dist.destroy_process_group()
+    return everyone
+
+def pyspark_workers():
+    import psutil
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [p.pid for p in psutil.Process().parents()])
+    dist.destroy_process_group()
+    return everyone
+
 def stop(spark):
     # local-cluster's own shutdown can race with its master relaunching executors; that is
     # Spark's business, not what these tests check.
@@ -389,6 +412,17 @@ out = {{}}
 spark = fresh_session()
 out["executors_at_launch"] = int(spark.sparkContext._jsc.sc().getExecutorIds().size())
 out["world"] = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark).run(world)
+# pyspark's TorchDistributor leaves its group's variables in the Python worker its task ran in.
+# Trained on a DataFrame, its tasks and ours take their Python workers from the same pool: with
+# one core per executor, one worker each.
+from pyspark.ml.torch.distributor import TorchDistributor as PysparkDistributor
+rows = spark.range(0, 100, 1, numPartitions=2).selectExpr("cast(id as float) as x")
+ours = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark)
+out["warm_before"] = ours.train_on_dataframe(warm_agents, rows)
+out["pyspark_ancestors"] = PysparkDistributor(
+    num_processes=2, local_mode=False, use_gpu=False
+)._train_on_dataframe(pyspark_workers, rows)
+out["warm_after"] = ours.train_on_dataframe(warm_agents, rows)
 stop(spark)
 
 spark = fresh_session(**{{"spark.scheduler.maxRegisteredResourcesWaitingTime": "600s"}})
@@ -473,6 +507,24 @@ def test_gpu_assignment_with_fake_discovery_scripts(
     ]
     assert result["gpus"]["too_many"][0] == "ResourceError"
     assert "num_processes" in result["gpus"]["too_many"][1]
+
+
+def test_a_pyspark_torchdistributor_run_between_ours_keeps_our_warm_agents(
+    local_cluster_runs: tuple[dict[str, Any], str],
+) -> None:
+    """pyspark's TorchDistributor sets RANK, MASTER_PORT, NODE_RANK, CUDA_VISIBLE_DEVICES...
+    in the Spark Python worker its task runs in, and they stay there. Our next run in that
+    worker neither passes another group's to its ranks nor takes them for a new environment
+    (which would replace the worker's warm agent: a fresh torch import in the run)."""
+    result, output = local_cluster_runs
+    before, after = result["warm_before"], result["warm_after"]
+    workers = {rank["worker"] for rank in before}
+    assert len(workers) == 2, output
+    # The premise: pyspark's ranks ran under the very workers that keep our warm agents.
+    assert all(workers & set(ancestors) for ancestors in result["pyspark_ancestors"]), output
+    by_worker = {rank["worker"]: rank["warm"] for rank in before}
+    assert {rank["worker"]: rank["warm"] for rank in after} == by_worker
+    assert [rank["stale"] for rank in after] == [[], []]
 
 
 def test_a_fresh_application_waits_for_its_executors_but_not_for_missing_ones(

@@ -83,6 +83,36 @@ def test_agent_env_layers_user_env_and_run_settings() -> None:
     }
 
 
+def test_agent_env_drops_another_torch_groups_variables() -> None:
+    # What pyspark's TorchDistributor leaves in the Spark Python worker its task ran in.
+    pyspark_left = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "NODE_RANK": "1",
+        "MASTER_ADDR": "10.0.0.9",
+        "MASTER_PORT": "57803",
+        "PYSPARK_TORCH_DISTRIBUTOR_RDZV_ID": "5744261a",
+    }
+    env = run_plan.agent_env(
+        {"PATH": "/bin", **pyspark_left},
+        {"NODE_RANK": "mine"},
+        run_id="r",
+        channel="127.0.0.1:5",
+        fingerprint=None,
+        secret_path="/tmp/s",
+        payload_path="/tmp/p",
+        host="h",
+        omp_threads=None,
+        cuda_visible_devices=None,
+    )
+    assert set(pyspark_left) <= wire_env.TORCH_GROUP_VARIABLES
+    assert {k: env.get(k) for k in pyspark_left} == {
+        **dict.fromkeys(pyspark_left),
+        "NODE_RANK": "mine",  # the user's env= still wins
+    }
+    assert env["PATH"] == "/bin"
+
+
 @pytest.mark.parametrize(
     ("base", "user"), [({}, {"OMP_NUM_THREADS": "3"}), ({"OMP_NUM_THREADS": "3"}, {})]
 )

@@ -17,8 +17,11 @@ from sparktorch_ops.wire.env import WARM_AGENT_ENV, WARM_PROCESS_ENV
 pytestmark = pytest.mark.unit
 
 
-def test_only_the_runs_own_variables_are_left_out_of_the_import_environment() -> None:
+def test_the_import_environment_leaves_out_what_torchs_import_never_reads() -> None:
     env = {
+        "CUDA_VISIBLE_DEVICES": "1",  # a run's GPUs (CUDA reads them; the warm process never)
+        "MASTER_PORT": "57803",  # another torch group's, left by pyspark's TorchDistributor
+        "NODE_RANK": "1",
         "PATH": "/bin",
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": "/x",
