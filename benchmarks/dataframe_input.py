@@ -404,10 +404,11 @@ def main(argv: list[str] | None = None) -> int:
                 "rows/s per rank is over the rank's own loading time (loader creation to last "
                 "batch); maxrss is getrusage(RUSAGE_SELF) of the rank process (torch import "
                 "included). pyspark's loader delivers only num_samples rows (capped) per rank. "
-                "A pyspark run between ours leaves our next run mostly on Spark Python workers "
-                "that never imported torch (task 0 imports it for the rendezvous store, the "
-                "warm agent starts anew: a slower 'shards' phase); --pyspark-samples 0 runs "
-                "ours alone."
+                "pyspark's runs between ours share our Spark Python workers and leave their "
+                "torch group's variables (RANK, MASTER_PORT, CUDA_VISIBLE_DEVICES...) there; "
+                "our runs neither pass them on nor start a new warm agent for them (before "
+                "ac87b58 they did: a fresh torch import in the 'shards' phase). "
+                "--pyspark-samples 0 runs ours alone."
             ),
         },
         machine,
