@@ -54,9 +54,7 @@ def agent_env(
     runs.
     """
     # Ranks never talk to MLflow: the driver tracks the run (only the user's env= may say so).
-    env = strip_tracking_env(base_env)
-    for name in TORCH_GROUP_VARIABLES.intersection(env):
-        del env[name]
+    env = {k: v for k, v in strip_tracking_env(base_env).items() if k not in TORCH_GROUP_VARIABLES}
     env.update(user_env)
     env[RUN_ID_ENV] = run_id
     env[CHANNEL_ENV] = channel

@@ -83,6 +83,22 @@ def test_agent_env_layers_user_env_and_run_settings() -> None:
     }
 
 
+def _agent_env(base: dict, user: dict, omp_threads: int | None = None) -> dict[str, str]:
+    """``agent_env`` for a CPU node with the run's settings fixed (the first test spells them)."""
+    return run_plan.agent_env(
+        base,
+        user,
+        run_id="r",
+        channel="c",
+        fingerprint=None,
+        secret_path="s",
+        payload_path="p",
+        host="h",
+        omp_threads=omp_threads,
+        cuda_visible_devices=None,
+    )
+
+
 def test_agent_env_drops_another_torch_groups_variables() -> None:
     # What pyspark's TorchDistributor leaves in the Spark Python worker its task ran in.
     pyspark_left = {
@@ -93,18 +109,7 @@ def test_agent_env_drops_another_torch_groups_variables() -> None:
         "MASTER_PORT": "57803",
         "PYSPARK_TORCH_DISTRIBUTOR_RDZV_ID": "5744261a",
     }
-    env = run_plan.agent_env(
-        {"PATH": "/bin", **pyspark_left},
-        {"NODE_RANK": "mine"},
-        run_id="r",
-        channel="127.0.0.1:5",
-        fingerprint=None,
-        secret_path="/tmp/s",
-        payload_path="/tmp/p",
-        host="h",
-        omp_threads=None,
-        cuda_visible_devices=None,
-    )
+    env = _agent_env({"PATH": "/bin", **pyspark_left}, {"NODE_RANK": "mine"})
     assert set(pyspark_left) <= wire_env.TORCH_GROUP_VARIABLES
     assert {k: env.get(k) for k in pyspark_left} == {
         **dict.fromkeys(pyspark_left),
@@ -117,18 +122,7 @@ def test_agent_env_drops_another_torch_groups_variables() -> None:
     ("base", "user"), [({}, {"OMP_NUM_THREADS": "3"}), ({"OMP_NUM_THREADS": "3"}, {})]
 )
 def test_an_omp_setting_already_there_wins(base: dict, user: dict) -> None:
-    env = run_plan.agent_env(
-        base,
-        user,
-        run_id="r",
-        channel="c",
-        fingerprint=None,
-        secret_path="s",
-        payload_path="p",
-        host="h",
-        omp_threads=8,
-        cuda_visible_devices=None,
-    )
+    env = _agent_env(base, user, omp_threads=8)
     assert env["OMP_NUM_THREADS"] == "3"
     assert "CUDA_VISIBLE_DEVICES" not in env
 
