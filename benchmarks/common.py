@@ -218,7 +218,7 @@ def alternate(
     warmup: int = 1,
     check: Callable[[str, Any], dict[str, Any] | None] | None = None,
     settle_s: float = 0.5,
-    before_each: Callable[[], Any] | None = None,
+    before_each: Callable[[str], Any] | None = None,
 ) -> dict[str, Series]:
     """Run every variant once per round, ``repeats`` rounds, rotating the order each round.
 
@@ -232,7 +232,8 @@ def alternate(
         check: called with (name, returned value); may return extra figures to keep, and
             raises when the value is wrong (which counts as an error of that run).
         settle_s: pause between runs, so one run's exit does not overlap the next's start.
-        before_each: called (untimed) before every run, e.g. :func:`touch_python_workers`.
+        before_each: called (untimed) with the variant's name before each of its runs, e.g.
+            to call :func:`touch_python_workers`.
     """
     series = {name: Series(name) for name in variants}
     names = list(variants)
@@ -242,7 +243,7 @@ def alternate(
         for name in order:
             gc.collect()
             if before_each is not None:
-                before_each()
+                before_each(name)
             time.sleep(settle_s)
             label = "warm-up" if round_index < 0 else f"round {round_index + 1}/{repeats}"
             try:

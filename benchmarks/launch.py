@@ -519,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup=args.warmup,
         check=lambda name, value: check_value(name, value),
         settle_s=args.settle,
-        before_each=touch,
+        before_each=lambda _name: touch(),
     )
     base = median(series["torchrun"].seconds) if "torchrun" in series else None
     rows = []

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup=args.warmup,
         check=check,
         settle_s=args.settle,
-        before_each=(lambda: common.touch_python_workers(session))
+        before_each=(lambda _name: common.touch_python_workers(session))
         if args.warm_python_workers
         else None,
     )
