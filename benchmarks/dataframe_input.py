@@ -547,9 +547,9 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
             )
     if not cells:
         return []
-    target = doc.get("target_ratio")
-    met = all(
-        (variants.get("ours_read") or {}).get("ratio_vs_floor", float("inf")) <= target
+    # The slowest size decides whether the target is met.
+    worst = max(
+        (variants.get("ours_read") or {}).get("ratio_vs_floor") or float("inf")
         for variants in results.values()
     )
     return [
@@ -558,7 +558,7 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
             f"train_on_dataframe (ranks read every batch) / one Spark pass over the rows, "
             f"medians of {doc.get('repeats')} (min-max)",
             "; ".join(cells),
-            f"<= {target:g}x ({'met' if met else 'not met'})",
+            pages.met(worst, doc.get("target_ratio"), at_most=True),
         ]
     ]
 
