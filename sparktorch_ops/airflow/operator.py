@@ -8,6 +8,7 @@ to Airflow: an XCom summary, the task log, an extra link, and Airflow's exceptio
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -33,11 +34,11 @@ from sparktorch_ops.airflow.links import MlflowRunLink, SparkUILink
 from sparktorch_ops.driver.durable import (
     RESUMABLE,
     SUCCEEDED,
-    StoredTraining,
     TrainingRecord,
     TrainingTry,
     status_of,
     stored_result,
+    train_try,
 )
 from sparktorch_ops.errors import ConfigError, SparkTorchError
 from sparktorch_ops.job import CancelToken, build_job
@@ -77,16 +78,10 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
     Bad input raises ``AirflowFailException`` before anything starts (no retry); failed,
     timed-out or cancelled training raises :class:`TorchTrainingError` (retried).
 
-    **Durable** (``ResumableJobMixin``; Airflow's default from 3.3 on): a task instance's
-    tries are one training, kept in its ``task_state_store`` under ``sparktorch_training``:
-    a retry after a crash resumes from the latest checkpoint into the same MLflow run, and a
-    summary stored before the try died is returned without training (docs/durable.md).
-
-    Without ``checkpoint_dir``, the task instance has its own under ``result_location``
-    (``checkpoints/<dag>/<run>/<task>~hash[/<training_id>]``), shared by its tries. A tracked
-    run is tagged with the dag, run, task and try; the "MLflow run" extra link opens it. The
-    tracking URI: ``mlflow_tracking_uri``, else the Airflow connection ``mlflow_conn_id``'s
-    host, else ``MLFLOW_TRACKING_URI``.
+    **Durable** (``ResumableJobMixin``, Airflow 3.3 on): a task instance's tries are one
+    training: a retry resumes from the latest checkpoint (by default under
+    ``result_location``) into the same MLflow run (docs/durable.md). A tracked run is tagged
+    with the dag, run, task and try; the "MLflow run" extra link opens it.
 
     Args:
         train: the training function (called on every rank as ``train(*train_args,
@@ -108,8 +103,8 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
             read with :func:`sparktorch_ops.data.partition_loader`); the summary's ``input``
             gives its rows and columns.
         input_format: the format of ``input_path`` (default ``parquet``).
-        mlflow_conn_id: Airflow connection holding the MLflow tracking URI (default
-            ``mlflow_default``; optional).
+        mlflow_conn_id: Airflow connection holding the MLflow tracking URI, used when
+            ``mlflow_tracking_uri`` is not given (default ``mlflow_default``; optional).
         durable: one training across tries (see above); None: the mixin's default.
         **kwargs: BaseOperator arguments (``task_id``, ``retries``, ``execution_timeout``...).
     """
@@ -236,16 +231,10 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         the summary."""
         ti: Any = context["ti"]
         store = context.get("task_state_store")
-        if external_id is None or store is None:  # not durable, or nowhere to keep it
-            self._summary = self._train(context, None)
-            return self._summary
-        stored = StoredTraining(
-            TrainingRecord.from_json(external_id),
-            lambda record: store.set(self.external_id_key, record),
-        )
+        save = functools.partial(store.set, self.external_id_key) if store is not None else None
         # Stored before Airflow pushes the XCom: a try that dies then is not trained again.
-        self._summary = stored.run(
-            ti.try_number, ti.try_number > ti.max_tries, lambda t: self._train(context, t)
+        self._summary = train_try(
+            external_id, save, ti.try_number, ti.max_tries, lambda t: self._train(context, t)
         )
         return self._summary
 

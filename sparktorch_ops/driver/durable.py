@@ -230,6 +230,22 @@ class StoredTraining:
         self._save(record.to_json())
 
 
+def train_try(
+    stored: Any,
+    save: Callable[[dict[str, Any]], None] | None,
+    try_number: int,
+    max_tries: int,
+    train: Callable[[TrainingTry | None], _R],
+) -> _R:
+    """One try of the training a wrapper's record ``stored`` (JSON) keeps in a store that
+    ``save`` writes; ``train`` gets the try, or None when there is no record or no store
+    (then the try is a training of its own). The try past ``max_tries`` is the last."""
+    if stored is None or save is None:
+        return train(None)
+    training = StoredTraining(TrainingRecord.from_json(stored), save)
+    return training.run(try_number, try_number > max_tries, train)
+
+
 def try_line(training: TrainingTry, resumed_step: int | None, mlflow_run_id: str | None) -> str:
     """The task log's line saying what this try does."""
     head = f"sparktorch_ops: try {training.try_number} of the training {training.training_id}"

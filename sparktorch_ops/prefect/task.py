@@ -2,13 +2,8 @@
 
 The task is thin: it turns its parameters (and a :class:`SparkCluster` block) into the core's
 job (:func:`sparktorch_ops.job.build_job`, with Prefect's run logger and the artifact recorder
-as ``on_metrics``), launches it, and writes the artifacts. Everything else is the core's.
-
-Cancellation: the core's waiting thread sleeps in short steps, so Prefect's task timeout (an
-exception injected into that thread, or SIGALRM on the main thread) and the SIGTERM a Prefect
-runner sends to cancel a served flow run both reach it within ~50 ms; it then cancels the Spark
-job, kills every process of the run and re-raises. Should the flow-run process be killed
-outright, the ranks die with it (parent-death signal and channel watchdog in the core).
+as ``on_metrics``), launches it, and writes the artifacts. Prefect's timeouts and a served
+run's cancellation reach the core's waiting thread, which stops every process of the run.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from sparktorch_ops.driver.durable import (
     finished_line,
     status_of,
     stored_result,
+    train_try,
     try_line,
 )
 
@@ -96,6 +97,24 @@ def test_a_stored_training_saves_its_try_then_its_result_and_returns_it(
         assert stored_result(saved[-1], log) == {"value": 3}
         assert status_of({"tries": "x"}, 1, log) == UNREADABLE
     assert "already finished in try 1" in caplog.text and "starting a new training" in caplog.text
+
+
+def test_a_try_trains_alone_without_a_record_or_a_store_and_is_recorded_with_both() -> None:
+    record = TrainingRecord("training-1", (1,), 1).to_json()
+    saved: list[dict[str, object]] = []
+    given: list[TrainingTry | None] = []
+
+    def train(training: TrainingTry | None) -> str:
+        given.append(training)
+        return "done"
+
+    assert train_try(None, saved.append, 2, 1, train) == "done"
+    assert train_try(record, None, 2, 1, train) == "done"
+    assert given == [None, None] and saved == []
+    assert train_try(record, saved.append, 2, 1, train) == "done"
+    second = given[-1]
+    assert second is not None and second.resumed and second.last_try  # try 2 of max_tries 1
+    assert [s["tries"] for s in saved] == [[1, 2], [1, 2]] and saved[-1]["result"] == "done"
 
 
 def test_a_try_of_a_record() -> None:
