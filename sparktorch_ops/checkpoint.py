@@ -96,6 +96,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sparktorch_ops.errors import CheckpointError, ConfigError
@@ -753,30 +754,23 @@ def _known_steps(location: _Location, group: _Group) -> _KnownSteps:
     return known
 
 
+@dataclass
 class _Write:
     """One save's writing and commit, in the foreground or in the writer thread."""
 
-    def __init__(
-        self,
-        location: _Location,
-        step: int,
-        keep: int,
-        group: _Group,
-        known: _KnownSteps,
-        alone: bool,
-        compact: bool,
-    ) -> None:
-        self.location = location
-        self.step = step
-        self.keep = keep
-        self.group = group
-        self.known = known
-        self.alone = alone
-        self.compact = compact
-        self.name = step_dir_name(step)
-        self.url = location.url(self.name)
+    location: _Location
+    step: int
+    keep: int
+    group: _Group
+    known: _KnownSteps
+    alone: bool
+    compact: bool
+
+    def __post_init__(self) -> None:
+        self.name = step_dir_name(self.step)
+        self.url = self.location.url(self.name)
         # Rank 0's reports up to this step go with it: a resume replays what MLflow may lack.
-        self.reports = reporting.records_for_checkpoint() if group.rank == 0 else []
+        self.reports = reporting.records_for_checkpoint() if self.group.rank == 0 else []
 
     def __call__(self, state: Mapping[str, Any] | None, process_group: Any = None) -> None:
         """Write ``state`` (rank 0 all of it when alone, else every rank its part; other

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from sparktorch_ops import errors
 from sparktorch_ops.driver.launch import Launched
@@ -25,10 +26,11 @@ EXIT_REPORT_S = 2.0  # how long a failed rank's exit report may follow its failu
 SPARK_CAUSE_S = 3.0  # how long a lost barrier task's Spark error may take to arrive
 
 
+@dataclass
 class Supervisor:
     """Watches one launched run.
 
-    Args:
+    Attributes:
         spec: the run's options (its limits).
         run_id: for log lines.
         launched: the started run.
@@ -37,28 +39,17 @@ class Supervisor:
         log: the run's logger.
     """
 
-    def __init__(
-        self,
-        spec: LaunchSpec,
-        run_id: str,
-        launched: Launched,
-        started: float,
-        check_cancelled: Callable[[], None],
-        log: logging.Logger,
-    ) -> None:
-        self._spec = spec
-        self._run_id = run_id
-        self._launched = launched
-        self._started = started
-        self._check_cancelled = check_cancelled
-        self._log = log
+    spec: LaunchSpec
+    run_id: str
+    launched: Launched
+    started: float
+    check_cancelled: Callable[[], None]
+    log: logging.Logger
 
     def stacks(self, log: bool = False) -> dict[int, str]:
         """Every rank's stacks now, by rank (see :func:`capture_stacks`); safe from any thread."""
-        launched = self._launched
-        return capture_stacks(
-            launched.server, launched.collector, self._spec.num_processes, log=log
-        )
+        launched = self.launched
+        return capture_stacks(launched.server, launched.collector, self.spec.num_processes, log=log)
 
     def watch(self) -> tuple[int, str]:
         """Wait for the run's end: the exit code (0: every rank succeeded) and a note.
@@ -83,23 +74,23 @@ class Supervisor:
         ) as stop:
             stacks = self.stacks(log=True)
             if not stacks:
-                self._log.info(
+                self.log.info(
                     "sparktorch_ops: %s: no rank is connected to this driver's channel (none "
                     "started yet, or the tasks relay their frames): where they were is unknown",
-                    self._run_id,
+                    self.run_id,
                 )
             raise stop.with_stacks(stacks) if stacks else stop from None
 
     def _watch(self) -> tuple[int, str]:
-        spec = self._spec
-        launcher, collector = self._launched.launcher, self._launched.collector
+        spec = self.spec
+        launcher, collector = self.launched.launcher, self.launched.collector
         released = False
         start_deadline = spec.start_timeout
         if start_deadline is None:
             start_deadline = launcher.default_start_timeout
         while True:
-            self._check_cancelled()
-            elapsed = time.monotonic() - self._started
+            self.check_cancelled()
+            elapsed = time.monotonic() - self.started
             if spec.timeout is not None and elapsed > spec.timeout:
                 raise errors.TrainingTimeoutError("timeout", spec.timeout)
             connected = collector.started_ranks()
@@ -131,7 +122,7 @@ class Supervisor:
             if (
                 launcher.needs_release
                 and not released
-                and collector.nodes_done(self._launched.plan.layout.num_tasks)
+                and collector.nodes_done(self.launched.plan.layout.num_tasks)
             ):
                 # Every agent is done with the rendezvous store; the supervisors' last frames
                 # are read before the release closes the channel.
@@ -147,18 +138,18 @@ class Supervisor:
 
     def _check_stall(self, limit: float) -> None:
         """Raise TrainingStalledError once every running rank has been silent for ``limit``."""
-        silent = self._launched.collector.silences()
+        silent = self.launched.collector.silences()
         if not silent or min(silent.values()) < limit:
             return
-        self._log.warning(
+        self.log.warning(
             "sparktorch_ops: %s: no rank showed progress for %.1f s (stall_timeout=%g): "
             "taking every rank's stacks, then stopping the run",
-            self._run_id,
+            self.run_id,
             min(silent.values()),
             limit,
         )
         stacks = self.stacks(log=True)
-        collector = self._launched.collector
+        collector = self.launched.collector
         failures = []
         for rank in sorted(silent, key=lambda rank: -silent[rank]):
             where = errors.split_stacks(stacks.get(rank, ""))[0]
@@ -174,7 +165,7 @@ class Supervisor:
                     timestamp=time.time() - silent[rank],
                 )
             )
-        for rank in range(self._spec.num_processes):
+        for rank in range(self.spec.num_processes):
             known = collector.ranks.get(rank)
             if rank not in silent and (known is None or not known.exited):
                 failures.append(
@@ -185,16 +176,16 @@ class Supervisor:
     def drain(self) -> None:
         """Read what the ranks still send until every rank has hung up; when that does not
         happen in time, say so (in the log and in a script's value) instead of losing it."""
-        collector = self._launched.collector
-        num_processes = self._spec.num_processes
-        if self._launched.server.drain(lambda: collector.supervisors_done(num_processes), DRAIN_S):
+        collector = self.launched.collector
+        num_processes = self.spec.num_processes
+        if self.launched.server.drain(lambda: collector.supervisors_done(num_processes), DRAIN_S):
             return
         if collector.incomplete is None:
-            self._log.warning(
+            self.log.warning(
                 "sparktorch_ops: %s: not every rank hung up within %g s of finishing (a process "
                 "a rank started may still hold its connection); output, metrics or the result "
                 "sent after that are lost",
-                self._run_id,
+                self.run_id,
                 DRAIN_S,
             )
         collector.mark_incomplete(
@@ -206,18 +197,18 @@ class Supervisor:
         """A barrier task was lost: Spark's own error for the job says why (a task that raised,
         a full disk), or that the job was killed (raises SparkJobKilledError). Wait briefly for
         it; log it and make it the failure's reason."""
-        launcher, collector = self._launched.launcher, self._launched.collector
+        launcher, collector = self.launched.launcher, self.launched.collector
         launcher.look_for_cause()
         deadline = time.monotonic() + SPARK_CAUSE_S
         while launcher.poll() is None and time.monotonic() < deadline:
-            self._check_cancelled()
+            self.check_cancelled()
             time.sleep(POLL_S)
         status = launcher.poll()
         if launcher.spark_error is None:
             return 1, ""
-        self._log.warning(
+        self.log.warning(
             "sparktorch_ops: %s: the Spark job failed: %s",
-            self._run_id,
+            self.run_id,
             launcher.spark_error_detail,
         )
         if collector.explain_lost_nodes(launcher.spark_error):
