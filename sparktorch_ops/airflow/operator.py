@@ -8,18 +8,11 @@ to Airflow: an XCom summary, the task log, an extra link, and Airflow's exceptio
 from __future__ import annotations
 
 import datetime
-import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
-# The common-compat provider (installed with Airflow) maps these onto each Airflow 3.x; below
-# Airflow 3.3 its ResumableJobMixin is a stand-in that trains afresh on every try.
-from airflow.providers.common.compat.sdk import (
-    AirflowException,
-    AirflowFailException,
-    ResumableJobMixin,
-)
+from airflow.providers.common.compat.sdk import AirflowException, AirflowFailException
 from airflow.sdk import BaseOperator
 
 from sparktorch_ops import events, options
@@ -30,16 +23,8 @@ from sparktorch_ops.airflow.connection import (
     mlflow_tracking_uri,
     session_settings,
 )
+from sparktorch_ops.airflow.durable import DurableTraining
 from sparktorch_ops.airflow.links import MlflowRunLink, SparkUILink
-from sparktorch_ops.driver.durable import (
-    RESUMABLE,
-    SUCCEEDED,
-    TrainingRecord,
-    TrainingTry,
-    status_of,
-    stored_result,
-    train_try,
-)
 from sparktorch_ops.errors import ConfigError, SparkTorchError
 from sparktorch_ops.job import CancelToken, build_job
 from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
@@ -50,6 +35,7 @@ from sparktorch_ops.spark.session import SparkSettings, redact_connect_url
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
+    from sparktorch_ops.driver.durable import TrainingTry
     from sparktorch_ops.results import MetricRecord
 
 
@@ -62,7 +48,7 @@ class TorchTrainingError(AirflowException):
 
 
 @options.documented("operator")
-class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
+class TorchDistributorOperator(DurableTraining, BaseOperator):
     """Run a PyTorch training function or torchrun script with sparktorch_ops.
 
     Rank output goes to the task log live (``[rank N|host] line``; stdout at INFO, stderr at
@@ -78,7 +64,7 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
     Bad input raises ``AirflowFailException`` before anything starts (no retry); failed,
     timed-out or cancelled training raises :class:`TorchTrainingError` (retried).
 
-    **Durable** (``ResumableJobMixin``, Airflow 3.3 on): a task instance's tries are one
+    **Durable** (:class:`DurableTraining`, Airflow 3.3 on): a task instance's tries are one
     training: a retry resumes from the latest checkpoint (by default under
     ``result_location``) into the same MLflow run (docs/durable.md). A tracked run is tagged
     with the dag, run, task and try; the "MLflow run" extra link opens it.
@@ -135,8 +121,6 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
     mlflow_experiment: str | None
     mlflow_tracking_uri: str | None
     ui_color = "#ee4c2c"
-    # The task_state_store key of the training's record (renaming it breaks in-flight retries).
-    external_id_key = "sparktorch_training"
 
     def __init__(
         self,
@@ -196,55 +180,12 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         self.spark_ui_link: str | None = None
         # Made up front so that on_kill during templating is not lost; a fresh one per try.
         self._cancel_token = CancelToken()
-        self._summary: dict[str, Any] | None = None  # this try's, once it trained
 
     def execute(self, context: Context) -> dict[str, Any]:
         """Train (or, durable, resume the training, or return its stored summary); return
         the XCom summary."""
         self._summary = None
         return cast("dict[str, Any]", self.execute_resumable(context))
-
-    # ResumableJobMixin: the "external job" is the training, kept in the task_state_store.
-    def submit_job(self, context: Context) -> Any:
-        """A new training's record (None: not durable)."""
-        if not self.durable:
-            return None
-        return TrainingRecord.new(max_tries=context["ti"].max_tries).to_json()
-
-    def get_job_status(self, external_id: Any, context: Context) -> str:
-        """``resumable``, ``succeeded`` or ``cleared`` (see :class:`TrainingRecord`)."""
-        return status_of(external_id, context["ti"].max_tries, self.log)
-
-    def is_job_active(self, status: str) -> bool:
-        """An earlier try died or failed: resume it."""
-        return status == RESUMABLE
-
-    def is_job_succeeded(self, status: str) -> bool:
-        """An earlier try stored its summary: return it."""
-        return status == SUCCEEDED
-
-    # The mixin returns what this returns when it reconnects (a retry): the summary, not None.
-    def poll_until_complete(  # type: ignore[override]
-        self, external_id: Any, context: Context
-    ) -> dict[str, Any]:
-        """Train this try (resuming the training ``external_id`` records); store and return
-        the summary."""
-        ti: Any = context["ti"]
-        store = context.get("task_state_store")
-        save = functools.partial(store.set, self.external_id_key) if store is not None else None
-        # Stored before Airflow pushes the XCom: a try that dies then is not trained again.
-        self._summary = train_try(
-            external_id, save, ti.try_number, ti.max_tries, lambda t: self._train(context, t)
-        )
-        return self._summary
-
-    def get_job_result(self, external_id: Any, context: Context) -> dict[str, Any]:
-        """This try's summary, or the one an earlier try stored."""
-        if self._summary is not None:
-            return self._summary
-        summary = cast("dict[str, Any]", stored_result(external_id, self.log))
-        self.mlflow_run_link = summary.get("mlflow_run_url") or ""
-        return summary
 
     def _train(self, context: Context, training: TrainingTry | None) -> dict[str, Any]:
         """Build the job from the rendered arguments, run it, return the XCom summary."""
