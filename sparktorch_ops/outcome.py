@@ -8,16 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparktorch_ops.errors import (
-    ConfigError,
-    ResultTooLargeError,
-    SparkJobKilledError,
-    SparkTorchError,
-    StartTimeoutError,
-    TrainingCancelledError,
-    TrainingFailedError,
-    TrainingTimeoutError,
-)
+from sparktorch_ops import errors
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -63,9 +54,9 @@ def outcome_of(error: BaseException | None) -> Outcome:
     if error is None:
         return Outcome("succeeded", False, "training succeeded")
     message = str(error) or type(error).__name__
-    if isinstance(error, ConfigError):
+    if isinstance(error, errors.ConfigError):
         return Outcome("bad_input", False, f"bad input: {message}", exit_status=EXIT_CONFIG)
-    if isinstance(error, TrainingFailedError):
+    if isinstance(error, errors.TrainingFailedError):
         first = error.first_failure
         code = first.exit_code if first is not None and first.exit_code else EXIT_FAILED
         tail = "\n".join((first.output_tail if first else "").splitlines()[-_TAIL_LINES:])
@@ -78,17 +69,17 @@ def outcome_of(error: BaseException | None) -> Outcome:
             tail=tail,
             exit_status=code,
         )
-    if isinstance(error, (StartTimeoutError, TrainingTimeoutError)):
+    if isinstance(error, (errors.StartTimeoutError, errors.TrainingTimeoutError)):
         return Outcome("timed_out", True, message, exit_status=EXIT_TIMEOUT)
-    if isinstance(error, SparkJobKilledError):
+    if isinstance(error, errors.SparkJobKilledError):
         # Someone killed the Spark job on purpose (the Spark UI): a retry would undo that.
         return Outcome("cancelled", False, message, exit_status=EXIT_INTERRUPTED)
-    if isinstance(error, TrainingCancelledError):
+    if isinstance(error, errors.TrainingCancelledError):
         # The orchestrator stopped the task (on_kill, a worker shutting down): its call.
         return Outcome("cancelled", True, message, exit_status=EXIT_INTERRUPTED)
-    if isinstance(error, ResultTooLargeError):  # the same run returns the same value
+    if isinstance(error, errors.ResultTooLargeError):  # the same run returns the same value
         return Outcome("failed", False, message, exit_status=EXIT_FAILED)
-    if isinstance(error, SparkTorchError):
+    if isinstance(error, errors.SparkTorchError):
         return Outcome(
             "failed", True, f"{type(error).__name__}: {message}", exit_status=EXIT_FAILED
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import re
 import threading
@@ -347,28 +348,28 @@ class RunArtifacts:
                 description=f"Summary of {summary.title}",
             ),
         )
-        if ui_url:
-            self._safely(
-                "spark-ui",
-                lambda: create_link_artifact(
-                    link=ui_url,
-                    link_text=f"Spark UI of {summary.app_id or 'the run'}",
-                    key=self.keys["spark-ui"],
-                    description=ui_description(ui_url, session_created),
-                ),
-            )
-
-        mlflow_url = summary.mlflow_run_url
-        if mlflow_url:
-            self._safely(
-                "mlflow",
-                lambda: create_link_artifact(
-                    link=mlflow_url,
-                    link_text=f"MLflow run {summary.mlflow_run_id}",
-                    key=self.keys["mlflow"],
-                    description=f"The MLflow run that tracked {summary.title}",
-                ),
-            )
+        links = {
+            "spark-ui": (
+                ui_url,
+                f"Spark UI of {summary.app_id or 'the run'}",
+                ui_description(ui_url, session_created) if ui_url else "",
+            ),
+            "mlflow": (
+                summary.mlflow_run_url,
+                f"MLflow run {summary.mlflow_run_id}",
+                f"The MLflow run that tracked {summary.title}",
+            ),
+        }
+        for name, (url, text, description) in links.items():
+            if url:
+                link = functools.partial(
+                    create_link_artifact,
+                    link=url,
+                    link_text=text,
+                    key=self.keys[name],
+                    description=description,
+                )
+                self._safely(name, link)
 
     def _safely(self, what: str, call: Any) -> Any:
         try:
