@@ -279,10 +279,10 @@ def register(state: str, run_id: str, state_dict: dict[str, Any], metrics: dict[
                 model,
                 name="model",
                 registered_model_name=MODEL_NAME,
-                # An eager module, its class shipped with it (loadable without this repo).
-                serialization_format="pickle",
-                code_paths=[str(Path(__file__).with_name("ddp_train.py"))],
-                input_example=np.zeros((1, 1, 8, 8), dtype="float32"),
+                # A torch.export graph: loads without this repo's code and without unpickling
+                # anything. Two rows in the example: a batch of one would fix the batch size.
+                serialization_format="pt2",
+                input_example=np.zeros((2, 1, 8, 8), dtype="float32"),
                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
             )
     finally:

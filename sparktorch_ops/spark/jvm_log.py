@@ -45,6 +45,13 @@ _LEVELS = {
 }
 # A stack trace under a log4j record: "\tat ...", "Caused by: ...", "\t... 12 more".
 _CONTINUATION = re.compile(r"^(\s+\S|Caused by: |Suppressed: )")
+# Warnings every JVM of a pip-installed Spark prints as it starts, whatever runs on it: the
+# module Spark enables itself, Hadoop's pure-Java fallback. Nothing for the user to act on, so
+# they are INFO (source, start of the message).
+_START_UP_NOTICES = (
+    ("jvm", "Using incubator modules:"),
+    ("NativeCodeLoader", "Unable to load native-hadoop library"),
+)
 
 
 @dataclass(frozen=True)
@@ -68,17 +75,27 @@ def parse_line(line: str, previous: JvmLine | None = None) -> JvmLine:
     A log4j line keeps its level and logger. A stack-trace line continues the record before it
     (same level). The JVM's own ``WARNING:`` lines are warnings. Anything else (Spark's hints
     printed outside log4j, a Python worker's prints) is INFO: it is output, not a failure, and
-    a real failure reaches the run as an exception.
+    a real failure reaches the run as an exception. The start-up notices every Spark JVM prints
+    (an incubator module, no native Hadoop library) are INFO.
     """
     match = _LOG4J_LINE.match(line)
     if match:
         level, source, message = match.groups()
-        return JvmLine(_LEVELS[level], source, message)
+        return _demoted(JvmLine(_LEVELS[level], source, message))
     if previous is not None and _CONTINUATION.match(line):
         return JvmLine(previous.level, previous.source, line)
     if line.startswith("WARNING:"):
-        return JvmLine(logging.WARNING, "jvm", line[len("WARNING:") :].strip())
+        return _demoted(JvmLine(logging.WARNING, "jvm", line[len("WARNING:") :].strip()))
     return JvmLine(logging.INFO, "jvm", line)
+
+
+def _demoted(line: JvmLine) -> JvmLine:
+    if line.level == logging.WARNING and any(
+        line.source == source and line.message.startswith(start)
+        for source, start in _START_UP_NOTICES
+    ):
+        return JvmLine(logging.INFO, line.source, line.message)
+    return line
 
 
 # "stage 3.0", "Stage 3(Attempt 0)", "ResultStage 3", "ShuffleMapStage 3"; "Job 3", "job 3".

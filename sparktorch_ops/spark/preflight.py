@@ -129,11 +129,14 @@ def _registration_grace_s(sc: SparkContext) -> float:
     jconf = sc._jsc.sc().conf()
     waiting_ms = int(jconf.getTimeAsMs("spark.scheduler.maxRegisteredResourcesWaitingTime", "30s"))
     app_age_s = max(0.0, time.time() - sc.startTime / 1000)
+    return registration_grace(_in_process(sc), app_age_s, waiting_ms / 1000)
+
+
+def _in_process(sc: SparkContext) -> bool:
     try:
-        in_process = parse_master(sc.master or "").in_process
+        return parse_master(sc.master or "").in_process
     except ConfigError:
-        in_process = False
-    return registration_grace(in_process, app_age_s, waiting_ms / 1000)
+        return False
 
 
 def expected_executors(master: str, executor_instances: str | None) -> int | None:
@@ -150,9 +153,13 @@ def expected_executors(master: str, executor_instances: str | None) -> int | Non
         return None
 
 
-def _executor_count(sc: SparkContext) -> int:
-    # getExecutorIds lists executors only, never the driver.
-    return int(sc._jsc.sc().getExecutorIds().size())
+def _executor_ids(sc: SparkContext) -> list[str]:
+    """The application's executors, never the driver. An in-process master has none, and
+    asking its scheduler would log a warning ("Requesting executors is not supported")."""
+    if _in_process(sc):
+        return []
+    ids = sc._jsc.sc().getExecutorIds()
+    return [str(ids.apply(i)) for i in range(ids.size())]
 
 
 def wait_for_slots(
@@ -184,7 +191,7 @@ def wait_for_slots(
     deadline = started + wait_s
     while True:
         # Registration first: the slots read after it count every executor it saw.
-        everyone_registered = expected is not None and _executor_count(sc) >= expected
+        everyone_registered = expected is not None and len(_executor_ids(sc)) >= expected
         slots = available_slots(sc)
         if cancelled():
             return
@@ -267,7 +274,7 @@ def probe_executors(sc: SparkContext, num_tasks: int) -> list[dict[str, Any]]:
 
     from sparktorch_ops.node import probe as _probe
 
-    executors = (sc.applicationId, str(sc._jsc.sc().getExecutorIds().toString()))
+    executors = (sc.applicationId, ",".join(sorted(_executor_ids(sc))))
     if executors in _PROBED:
         return _PROBED[executors]
     driver_python = f"{sys.version_info.major}.{sys.version_info.minor}"

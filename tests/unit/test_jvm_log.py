@@ -20,8 +20,8 @@ pytestmark = pytest.mark.unit
     ("line", "expected"),
     [
         (
-            "26/12/01 14:32:39 WARN NativeCodeLoader: Unable to load native-hadoop library",
-            JvmLine(logging.WARNING, "NativeCodeLoader", "Unable to load native-hadoop library"),
+            "26/12/01 14:32:39 WARN Utils: Service 'SparkUI' could not bind on port 4040.",
+            JvmLine(logging.WARNING, "Utils", "Service 'SparkUI' could not bind on port 4040."),
         ),
         (
             "26/12/01 14:32:40 INFO DAGScheduler: Job 0 finished: count",
@@ -37,8 +37,17 @@ pytestmark = pytest.mark.unit
         ),
         ("26/12/01 14:32:41 DEBUG Utils: x", JvmLine(logging.DEBUG, "Utils", "x")),
         (
+            "WARNING: package sun.misc not in java.base",
+            JvmLine(logging.WARNING, "jvm", "package sun.misc not in java.base"),
+        ),
+        # What every Spark JVM warns of as it starts, whatever it runs: INFO.
+        (
             "WARNING: Using incubator modules: jdk.incubator.vector",
-            JvmLine(logging.WARNING, "jvm", "Using incubator modules: jdk.incubator.vector"),
+            JvmLine(logging.INFO, "jvm", "Using incubator modules: jdk.incubator.vector"),
+        ),
+        (
+            "26/12/01 14:32:39 WARN NativeCodeLoader: Unable to load native-hadoop library",
+            JvmLine(logging.INFO, "NativeCodeLoader", "Unable to load native-hadoop library"),
         ),
         (
             'Setting default log level to "WARN".',
@@ -47,7 +56,7 @@ pytestmark = pytest.mark.unit
         ("[Stage 0:>   (0 + 2) / 2]", JvmLine(logging.INFO, "jvm", "[Stage 0:>   (0 + 2) / 2]")),
     ],
 )
-def test_a_line_keeps_the_level_spark_gave_it(line: str, expected: JvmLine) -> None:
+def test_a_line_keeps_the_level_spark_gave_it_but_start_up_notices(line: str, expected: JvmLine) -> None:
     assert parse_line(line) == expected
 
 
