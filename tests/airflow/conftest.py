@@ -8,9 +8,12 @@ and to the test DAGs in ``tests/airflow/dags``; ``airflow db migrate`` runs once
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
 import os
 import re
 import shutil
+import sqlite3
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -31,6 +34,7 @@ if "airflow" in sys.modules:
 
 AIRFLOW_HOME = Path(tempfile.mkdtemp(prefix="sparktorch-airflow-"))
 DAGS_FOLDER = AIRFLOW_HOME / "dags"
+MIGRATED_DB = AIRFLOW_HOME / "migrated-unused.db"  # for installations of their own (harness)
 DAGS_FOLDER.mkdir()
 for source in [ROOT / "dags" / "retrain_digits.py", *sorted(TEST_DAGS.glob("*.py"))]:
     (DAGS_FOLDER / source.name).symlink_to(source)
@@ -53,11 +57,19 @@ def airflow_db() -> Path:
     """The metadata DB of the temporary home, migrated once for the whole session.
 
     ``db.upgradedb()`` is what ``airflow db migrate`` runs; in this process it takes a few
-    seconds instead of the command's dozen.
+    seconds instead of the command's dozen. A copy taken before any test writes to it is
+    :data:`MIGRATED_DB`, which the real-scheduler installation starts from.
     """
     from airflow.utils import db
 
     db.upgradedb()
+    # SQLite's backup, not a file copy: Airflow keeps the database in WAL mode, so the file
+    # alone may lack the newest pages.
+    with (
+        contextlib.closing(sqlite3.connect(AIRFLOW_HOME / "airflow.db")) as source,
+        contextlib.closing(sqlite3.connect(MIGRATED_DB)) as copy,
+    ):
+        source.backup(copy)
     return AIRFLOW_HOME
 
 
@@ -129,6 +141,15 @@ def read_xcom(dag_id: str, run_id: str, task_id: str, key: str = "return_value")
 
 def load_dag(dag_id: str) -> Any:
     """The DAG ``dag_id`` parsed from the session's DAGs folder, checked for import errors."""
+    bag = _dag_bag()
+    dag = bag.get_dag(dag_id)
+    assert dag is not None, f"{dag_id} not in {sorted(bag.dag_ids)}"
+    return dag
+
+
+@functools.cache
+def _dag_bag() -> Any:
+    """The session's DAGs folder, parsed once (each parse imports every DAG file again)."""
     try:
         from airflow.dag_processing.dagbag import DagBag
 
@@ -145,9 +166,7 @@ def load_dag(dag_id: str) -> Any:
 
         DagBundlesManager().sync_bundles_to_db()
         serialize(bag, "dags-folder", None)
-    dag = bag.get_dag(dag_id)
-    assert dag is not None, f"{dag_id} not in {sorted(bag.dag_ids)}"
-    return dag
+    return bag
 
 
 @pytest.fixture(scope="session")

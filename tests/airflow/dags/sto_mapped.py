@@ -28,7 +28,7 @@ with DAG(
     catchup=False,
 ) as dag:
     TorchDistributorOperator.partial(task_id="over_args", train=scaled, use_gpu=False).expand(
-        train_args=[[0.1], [0.2], [0.3]]
+        train_args=[[0.1], [0.2]]
     )
     TorchDistributorOperator.partial(
         task_id="over_processes", train=scaled, train_args=[1.0], use_gpu=False
