@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from tests.support.cluster import Cluster
     from tests.support.connect_server import ConnectServer
 
+pytest_plugins = ["tests.support.time_budget"]  # --time-budget, which scripts/test.sh passes
+
 ROOT = Path(__file__).resolve().parents[1]
 UNIT_DIR = ROOT / "tests" / "unit"
 TIERS = ("unit", "integration", "e2e")
