@@ -71,9 +71,10 @@ def build(directory: Path, *, broken: bool, coverage: bool = False) -> str:
         for entry in _top_level_entries(name, site_here):
             if not (site / entry).exists():
                 os.symlink(site_here / entry, site / entry)
-    if coverage:  # coverage's subprocess hook is a .pth file of its own
+    if coverage:  # coverage's subprocess hook: a .pth file (its package may list it too)
         for pth in site_here.glob("*coverage*.pth"):
-            os.symlink(pth, site / pth.name)
+            if not (site / pth.name).exists():
+                os.symlink(pth, site / pth.name)
     if broken:
         (site / "sparktorch_ops").mkdir()
         (site / "sparktorch_ops" / "__init__.py").write_text(BROKEN_PACKAGE)
