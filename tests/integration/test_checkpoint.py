@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ import torch
 from sparktorch_ops import CheckpointError, ConfigError, TorchDistributor, TrainingFailedError
 from sparktorch_ops import checkpoint as ck
 from sparktorch_ops.lightning import latest_ckpt_path
+from sparktorch_ops.rank import reporting
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -123,7 +125,7 @@ def crash_while_saving(record: str, blocking: bool) -> None:
         def die_before_marker(self: Any, data: bytes, *names: str) -> None:
             os._exit(3)
 
-        ck._Location.write_file = die_before_marker  # type: ignore[method-assign]
+        ck.layout.Location.write_file = die_before_marker  # type: ignore[method-assign]
     ck.save(state, 2, blocking=blocking)
     ck.wait()
 
@@ -659,6 +661,77 @@ def test_a_state_with_a_key_the_checkpoint_lacks_is_refused(tmp_path: Path) -> N
     with pytest.raises(ConfigError, match=r"'optim', which .* lacks") as info:
         ck.load_latest({"model": model, "optim": optimizer}, directory=str(tmp_path))
     assert info.value.argument == "state"
+
+
+WRITTEN_BEFORE = Path(__file__).parents[1] / "fixtures" / "checkpoint_written_before_package"
+
+
+def zeroed_model() -> torch.nn.Sequential:
+    """The model of that fixture's generator, every weight 0."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model
+
+
+class SentReports:
+    """A channel client that keeps what ``reporting.replay`` sends."""
+
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+
+    def send_message(self, message: Any) -> None:
+        self.messages.append(message)
+
+
+@pytest.mark.parametrize(("form", "step"), [("replicated", 3), ("dcp", 7)])
+def test_a_checkpoint_written_before_the_package_split_loads(
+    form: str, step: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The on-disk format did not change: checkpoints written by ``checkpoint.py`` when it was
+    one module (tests/fixtures/checkpoint_written_before_package/README.md) load: the
+    replicated ``state.pt`` form (model, SGD after one step, extra values) and the DCP form of
+    an FSDP2 model (model and extra values), each with the reports it carried."""
+    directory = tmp_path / form
+    shutil.copytree(WRITTEN_BEFORE / form, directory)
+    model = zeroed_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.0)
+    ema = torch.zeros(3)
+    extra: dict[str, Any] = {"epoch": 0, "name": "", "ema": ema, "nested": {"scale": 0.0, "seen": 0}}
+    state = (
+        ck.TrainingState(model, optimizer, **extra)
+        if form == "replicated"
+        else ck.TrainingState(model, **extra)
+    )
+    sent = SentReports()
+    reporting.install(sent)  # type: ignore[arg-type]
+    try:
+        assert ck.latest_step(directory=str(directory)) == step
+        assert ck.load_latest(state, directory=str(directory)) == step
+    finally:
+        reporting.install(None)
+    assert f"resumed from step {step} at {directory / ck.step_dir_name(step)}" in (
+        capsys.readouterr().err
+    )
+
+    stepped = 0.125 if form == "replicated" else 0.0  # one SGD step of lr 0.125, gradients 1
+    for offset, p in enumerate(model.parameters()):
+        written = torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) / 8 + offset
+        assert torch.equal(p.detach(), written - stepped)
+    if form == "replicated":
+        group = optimizer.param_groups[0]
+        assert (group["lr"], group["momentum"]) == (0.125, 0.5)
+        for p in model.parameters():
+            assert torch.equal(optimizer.state[p]["momentum_buffer"], torch.ones_like(p))
+    assert torch.equal(ema, torch.arange(3.0))  # loaded in place
+    assert state.extra["epoch"] == 4 and state.extra["name"] == "fixture"
+    assert state.extra["nested"] == {"scale": 0.5, "seen": 12}
+    replayed = [(m.step, m.time, m.values, m.progress, m.replayed) for m in sent.messages]
+    assert replayed == [
+        (0, 1700000000.0, {"loss": 1.0}, 0.25, True),
+        (1, 1700000001.0, {"loss": 0.5, "phase": "warm"}, 0.5, True),
+    ]
 
 
 def test_config_errors() -> None:

@@ -149,8 +149,10 @@ def test_ranks_import_the_clients_copy_over_a_broken_installed_one(
     assert found["python"] == connect_server.executor_python
     shipped = Path(found["package"]).parents[1]
     assert shipped.name.startswith("sparktorch_ops-") and "site-packages" not in str(shipped)
-    here = Path(__file__).parents[2] / "sparktorch_ops" / "checkpoint.py"
-    assert (shipped / "sparktorch_ops" / "checkpoint.py").read_bytes() == here.read_bytes()
+    here = Path(__file__).parents[2] / "sparktorch_ops" / "checkpoint" / "saving.py"
+    assert (shipped / "sparktorch_ops" / "checkpoint" / "saving.py").read_bytes() == (
+        here.read_bytes()
+    )
 
 
 def fail_on_rank_1() -> str:
