@@ -121,8 +121,8 @@ class RunResult:
         output_truncated: whether ``value`` (a script's stdout) is not all of it: cut to its
             tail, or incomplete (then the value says so in a note).
         metrics_dropped: how many of the oldest ``report()`` records were dropped to keep
-            ``metrics`` within its bound (``collector.MAX_METRIC_RECORDS``); ``on_metrics`` saw
-            them all.
+            ``metrics`` within its bound (``driver/collector/metrics.MAX_METRIC_RECORDS``);
+            ``on_metrics`` saw them all.
         input: with DataFrame input: ``rows``, ``columns`` and ``source`` (what was read).
         checkpoint: with ``checkpoint_dir``: ``dir``, ``resumed_from_step`` (the step the run
             resumed from, None when it started fresh), ``warm_start_from`` (when it applied)

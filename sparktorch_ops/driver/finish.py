@@ -27,16 +27,16 @@ def rank0_value(collector: RunCollector, payload: Payload) -> Any:
         ChannelError: rank 0 finished but its value never arrived.
         SparkTorchError: the value does not unpickle on the driver.
     """
-    if collector.result_refused is not None:
-        raise collector.result_refused
+    if collector.result.refused is not None:
+        raise collector.result.refused
     if not isinstance(payload, FunctionCall):
-        return collector.rank0_stdout()
-    if collector.result is None:
+        return collector.stdout.text()
+    if collector.result.value is None:
         raise errors.ChannelError(
             "rank 0 finished but its return value never arrived over the channel"
         )
     try:
-        return cloudpickle.load(collector.result.reader())
+        return cloudpickle.load(collector.result.value.reader())
     except Exception as exc:
         raise errors.SparkTorchError(
             f"rank 0's return value cannot be unpickled on the driver: {type(exc).__name__}: {exc}"
@@ -55,17 +55,17 @@ def run_result(
     collector, sc, data = launched.collector, prepared.sc, prepared.data
     return RunResult(
         value=value,
-        exit_codes=collector.exit_codes(),
-        outputs=collector.outputs(),
-        metrics=list(collector.metrics),
-        metrics_dropped=collector.metrics_dropped,
+        exit_codes=collector.ranks.exit_codes(),
+        outputs=collector.ranks.outputs(),
+        metrics=list(collector.metrics.records),
+        metrics_dropped=collector.metrics.dropped,
         started_at=started_at,
         finished_at=pendulum.now("UTC"),
         mode=spec.mode,
         num_processes=spec.num_processes,
         app_id=spark_support.app_id(sc) if sc is not None else None,
         ui_url=spark_support.ui_url(sc) if sc is not None else None,
-        output_truncated=collector.output_truncated,
+        output_truncated=collector.stdout.cut,
         run_id=launched.plan.run_id,
         input=({**data.facts.summary(), "source": data.description} if data is not None else None),
         checkpoint=resume.summary(spec, launched.resumed_from, log),

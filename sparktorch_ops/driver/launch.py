@@ -140,7 +140,7 @@ def launch(
     def on_phase(name: str, **where: Any) -> None:
         # A phase seen on the channel; the last rank to connect makes the run RUNNING.
         machine.emit(name, **where)
-        if name == events.SUPERVISOR_CONNECTED and collector.started_ranks() >= spec.num_processes:
+        if name == events.SUPERVISOR_CONNECTED and collector.ranks.started() >= spec.num_processes:
             machine.advance(RunState.STARTING, RunState.RUNNING)
 
     collector = RunCollector(
@@ -194,7 +194,7 @@ def launch(
     except BaseException:
         if launcher is not None:
             machine.emit(events.TEARDOWN)
-            collector.begin_teardown()
+            collector.output.tearing_down = True
             launcher.teardown()
             server.drain(collector.all_disconnected, _COLLATERAL_S)
         raise

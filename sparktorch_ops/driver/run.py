@@ -168,10 +168,10 @@ class Run:
                     self.job.cancel_token.detach()
                 machine.to(RunState.FINISHING)
                 collector = launched.collector
-                if code == 0 and not collector.failed:
+                if code == 0 and not collector.ranks.failed:
                     supervisor.drain()
                     machine.emit(events.DRAINED)
-                if code != 0 or collector.failed:
+                if code != 0 or collector.ranks.failed:
                     raise errors.TrainingFailedError(collector.failures(), note)
                 value = rank0_value(collector, payload)
             return run_result(spec, launched, prepared, value, started_at, log)

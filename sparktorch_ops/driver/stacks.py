@@ -36,22 +36,22 @@ def capture_stacks(
     no supervisor is connected at all (none started yet, or the tasks relay their ranks'
     frames with their result, over Spark Connect).
     """
-    request, supervisors = collector.open_stack_request(log)
+    supervisors = collector.supervisors()
     if not supervisors:
-        collector.close_stack_request(request)
         return {}
+    request = collector.stacks.open(log)
     try:
         message = StackRequest(request=request)
         for conn_id in supervisors.values():
             server.send(conn_id, message)
         deadline = time.monotonic() + timeout
-        while len(collector.stack_answers(request)) < len(supervisors):
+        while len(collector.stacks.answers(request)) < len(supervisors):
             if time.monotonic() > deadline:
                 break
             time.sleep(_POLL_S)
-        answers = collector.stack_answers(request)
+        answers = collector.stacks.answers(request)
     finally:
-        collector.close_stack_request(request)
+        collector.stacks.close(request)
     stacks: dict[int, str] = {}
     for rank in sorted(set(range(num_processes)) | set(supervisors)):
         answer = answers.get(rank)
@@ -60,7 +60,7 @@ def capture_stacks(
         elif rank in supervisors:
             stacks[rank] = f"did not answer within {timeout:g} s"
         else:
-            state = collector.ranks.get(rank)
+            state = collector.ranks.states.get(rank)
             if state is not None and state.exited:
                 how = state.signal or f"code {state.exit_code}"
                 stacks[rank] = f"exited ({how}) before it was asked"

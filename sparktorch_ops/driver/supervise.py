@@ -93,7 +93,7 @@ class Supervisor:
             elapsed = time.monotonic() - self.started
             if spec.timeout is not None and elapsed > spec.timeout:
                 raise errors.TrainingTimeoutError("timeout", spec.timeout)
-            connected = collector.started_ranks()
+            connected = collector.ranks.started()
             if (
                 connected < spec.num_processes
                 and start_deadline is not None
@@ -108,15 +108,15 @@ class Supervisor:
                 )
             if spec.stall_timeout is not None:
                 self._check_stall(spec.stall_timeout)
-            if collector.result_refused is not None:
-                raise collector.result_refused  # stop rank 0 sending the rest
-            if collector.fatal:
+            if collector.result.refused is not None:
+                raise collector.result.refused  # stop rank 0 sending the rest
+            if collector.ranks.fatal:
                 # The failed rank reports its exit a moment after its failure: wait for that
                 # (briefly) so the error has the exit code before the others are torn down.
                 deadline = time.monotonic() + EXIT_REPORT_S
-                while not collector.failed_ranks_reported() and time.monotonic() < deadline:
+                while not collector.ranks.failed_ranks_reported() and time.monotonic() < deadline:
                     time.sleep(POLL_S / 5)
-                if launcher.explains_losses and collector.lost_something():
+                if launcher.explains_losses and collector.ranks.lost_something():
                     return self._spark_cause()
                 return 1, ""
             if (
@@ -138,7 +138,7 @@ class Supervisor:
 
     def _check_stall(self, limit: float) -> None:
         """Raise TrainingStalledError once every running rank has been silent for ``limit``."""
-        silent = self.launched.collector.silences()
+        silent = self.launched.collector.ranks.silences()
         if not silent or min(silent.values()) < limit:
             return
         self.log.warning(
@@ -153,7 +153,7 @@ class Supervisor:
         failures = []
         for rank in sorted(silent, key=lambda rank: -silent[rank]):
             where = errors.split_stacks(stacks.get(rank, ""))[0]
-            state = collector.ranks[rank]
+            state = collector.ranks.states[rank]
             failures.append(
                 RankFailure(
                     rank=rank,
@@ -166,7 +166,7 @@ class Supervisor:
                 )
             )
         for rank in range(self.spec.num_processes):
-            known = collector.ranks.get(rank)
+            known = collector.ranks.states.get(rank)
             if rank not in silent and (known is None or not known.exited):
                 failures.append(
                     RankFailure(rank, "", None, None, "never connected", "", time.time())
@@ -180,7 +180,7 @@ class Supervisor:
         num_processes = self.spec.num_processes
         if self.launched.server.drain(lambda: collector.supervisors_done(num_processes), DRAIN_S):
             return
-        if collector.incomplete is None:
+        if collector.stdout.incomplete is None:
             self.log.warning(
                 "sparktorch_ops: %s: not every rank hung up within %g s of finishing (a process "
                 "a rank started may still hold its connection); output, metrics or the result "
@@ -188,7 +188,7 @@ class Supervisor:
                 self.run_id,
                 DRAIN_S,
             )
-        collector.mark_incomplete(
+        collector.stdout.mark_incomplete(
             f"not every rank had hung up {DRAIN_S:g} s after the run ended; output sent "
             "later was not read"
         )
@@ -211,6 +211,6 @@ class Supervisor:
             self.run_id,
             launcher.spark_error_detail,
         )
-        if collector.explain_lost_nodes(launcher.spark_error):
+        if collector.ranks.explain_lost_nodes(launcher.spark_error):
             return 1, ""  # the lost task's failure says it: once is enough
         return status if status is not None else (1, "")

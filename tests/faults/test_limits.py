@@ -24,7 +24,7 @@ from sparktorch_ops import (
     TrainingFailedError,
 )
 from sparktorch_ops.driver import supervise
-from sparktorch_ops.driver.collector import TAIL_CHARS
+from sparktorch_ops.driver.collector.output import TAIL_CHARS
 from sparktorch_ops.results import OUTPUT_CUT_NOTE
 from sparktorch_ops.wire.env import RUN_ID_ENV
 from tests.faults.training import long_training

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import logging
 
-from sparktorch_ops.driver.collector import SCRIPT_OUTPUT_CAP, ResultBytes, RunCollector
+from sparktorch_ops.driver.collector import RunCollector
+from sparktorch_ops.driver.collector.output import SCRIPT_OUTPUT_CAP
+from sparktorch_ops.driver.collector.result import ResultBytes
 from sparktorch_ops.wire import channel, messages
 from sparktorch_ops.wire.messages import Hello
 
@@ -35,7 +37,7 @@ def test_first_failure_is_the_root_cause_and_fatal_without_restarts() -> None:
         c.on_hello(peer(rank, rank))
     c.on_frame(peer(1, 1), messages.EXIT, exit_frame(3))
     c.on_frame(peer(0, 0), messages.EXIT, exit_frame(None, "SIGTERM"))
-    assert c.fatal
+    assert c.ranks.fatal
     failures = c.failures()
     assert [(f.rank, f.exit_code, f.signal) for f in failures] == [
         (1, 3, None),
@@ -47,18 +49,18 @@ def test_failures_before_the_last_restart_are_not_fatal() -> None:
     c = collector(max_restarts=1)
     c.on_hello(peer(1, 1))
     c.on_frame(peer(1, 1), messages.EXIT, exit_frame(1))
-    assert c.failure_order == [1] and not c.fatal
+    assert c.ranks.failure_order == [1] and not c.ranks.fatal
     c.on_hello(peer(2, 1, attempt=1))  # torchrun restarted the group
-    assert c.failure_order == [] and not c.fatal
+    assert c.ranks.failure_order == [] and not c.ranks.fatal
     c.on_frame(peer(2, 1, attempt=1), messages.EXIT, exit_frame(1))
-    assert c.fatal
+    assert c.ranks.fatal
 
 
 def test_a_vanished_rank_is_a_failure() -> None:
     c = collector()
     c.on_hello(peer(7, 0))
     c.on_closed(peer(7, 0))
-    assert c.fatal and c.failures()[0].reason.startswith("the rank's process vanished")
+    assert c.ranks.fatal and c.failures()[0].reason.startswith("the rank's process vanished")
 
 
 def test_a_truncated_result_is_not_a_result() -> None:
@@ -66,10 +68,10 @@ def test_a_truncated_result_is_not_a_result() -> None:
     c.on_hello(peer(1, 0, role="worker"))
     c.on_frame(peer(1, 0, role="worker"), messages.RESULT_CHUNK, b"abc")
     c.on_frame(peer(1, 0, role="worker"), messages.RESULT_END, b'{"size": 4}')
-    assert c.result is None
+    assert c.result.value is None
     c.on_frame(peer(1, 0, role="worker"), messages.RESULT_CHUNK, b"abcd")
     c.on_frame(peer(1, 0, role="worker"), messages.RESULT_END, b'{"size": 4}')
-    assert c.result is not None and c.result.reader().read() == b"abcd"
+    assert c.result.value is not None and c.result.value.reader().read() == b"abcd"
 
 
 def test_result_bytes_are_read_across_chunks_and_released_as_read() -> None:
@@ -92,8 +94,8 @@ def test_script_output_is_capped_to_its_tail_with_a_note() -> None:
     for _ in range(SCRIPT_OUTPUT_CAP // 1024 + 10):
         c.on_frame(peer(1, 0), messages.STDOUT, line.encode())
     c.on_frame(peer(1, 0), messages.STDOUT, b"the last line")
-    text = c.rank0_stdout()
-    assert c.stdout_truncated
+    text = c.stdout.text()
+    assert c.stdout.truncated
     assert text.startswith("[sparktorch_ops: output cut to its last")
     assert text.endswith("the last line\n")
     assert len(text) <= SCRIPT_OUTPUT_CAP + 200

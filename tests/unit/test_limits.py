@@ -13,12 +13,12 @@ from pathlib import Path
 import pendulum
 import pytest
 
-from sparktorch_ops.driver.collector import (
-    MAX_METRIC_RECORDS,
+from sparktorch_ops.driver.collector import RunCollector
+from sparktorch_ops.driver.collector.metrics import MAX_METRIC_RECORDS
+from sparktorch_ops.driver.collector.output import (
     TAIL_CHARS,
     TAIL_LINE_CHARS,
     TAIL_LINES,
-    RunCollector,
     Tail,
     cut_line,
 )
@@ -83,10 +83,10 @@ def test_rank_tails_hold_a_bounded_size_whatever_the_lines() -> None:
     for _ in range(50):  # 50 MiB of 1 MiB lines, and many short ones
         c.on_frame(peer(1, 0), messages.STDOUT, huge.encode())
     c.on_frame(peer(2, 1), messages.STDERR, "\n".join(["short"] * 1000).encode())
-    rank0, rank1 = c.ranks[0].tail, c.ranks[1].tail
+    rank0, rank1 = c.ranks.states[0].tail, c.ranks.states[1].tail
     assert rank0.chars <= TAIL_CHARS and len(rank1) == TAIL_LINES
     assert all(len(line) < TAIL_LINE_CHARS + 40 for line in rank0)
-    assert "[cut " in c.outputs()[0]
+    assert "[cut " in c.ranks.outputs()[0]
     assert len(c.failures()) == 0
 
 
@@ -102,8 +102,8 @@ def test_metrics_keep_the_latest_records_up_to_the_bound_and_warn_once(
         for step in range(12):
             report = json.dumps({"step": step, "time": 0.0, "values": {"loss": step}})
             c.on_frame(peer(1, 0, role="worker"), messages.METRIC, report.encode())
-    assert [m.step for m in c.metrics] == [7, 8, 9, 10, 11]
-    assert c.metrics_dropped == 7 and len(seen) == 12  # on_metrics saw every record
+    assert [m.step for m in c.metrics.records] == [7, 8, 9, 10, 11]
+    assert c.metrics.dropped == 7 and len(seen) == 12  # on_metrics saw every record
     warnings = [r for r in caplog.records if "metric records" in r.getMessage()]
     assert len(warnings) == 1 and "keeps the latest 5" in warnings[0].getMessage()
 
@@ -121,18 +121,18 @@ def test_a_result_over_the_limit_is_refused_and_released_as_soon_as_it_passes() 
     worker = peer(1, 0, role="worker")
     c.on_hello(worker)
     c.on_frame(worker, messages.RESULT_CHUNK, b"x" * 60)
-    assert c.result_refused is None
+    assert c.result.refused is None
     c.on_frame(worker, messages.RESULT_CHUNK, b"x" * 60)
-    refused = c.result_refused
+    refused = c.result.refused
     assert refused is not None and (refused.size, refused.limit, refused.exact) == (120, 100, False)
-    assert c._result == []  # nothing of it is held any more
+    assert c.result._chunks == []  # nothing of it is held any more
     for _ in range(10):  # the rest that is still on its way is not kept
         c.on_frame(worker, messages.RESULT_CHUNK, b"x" * 60)
-    assert c._result == []
+    assert c.result._chunks == []
     c.on_frame(worker, messages.RESULT_END, b'{"size": 720}')
-    refused = c.result_refused
+    refused = c.result.refused
     assert refused is not None and (refused.size, refused.exact) == (720, True)
-    assert c.result is None
+    assert c.result.value is None
     assert "720 bytes" in str(refused) and "max_result_bytes=100" in str(refused)
 
 
@@ -142,7 +142,8 @@ def test_a_result_within_the_limit_arrives() -> None:
     c.on_hello(worker)
     c.on_frame(worker, messages.RESULT_CHUNK, b"x" * 100)
     c.on_frame(worker, messages.RESULT_END, b'{"size": 100}')
-    assert c.result_refused is None and c.result is not None and c.result.size == 100
+    assert c.result.refused is None and c.result.value is not None
+    assert c.result.value.size == 100
 
 
 def test_result_too_large_names_size_limit_and_option_and_is_not_retryable() -> None:
@@ -189,11 +190,11 @@ def test_incomplete_output_is_said_in_the_value_and_flagged() -> None:
     c = collector(script=True)
     c.on_hello(peer(1, 0))
     c.on_frame(peer(1, 0), messages.STDOUT, b"one\ntwo")
-    assert c.rank0_stdout() == "one\ntwo\n" and not c.output_truncated
+    assert c.stdout.text() == "one\ntwo\n" and not c.stdout.cut
     c.on_frame(peer(1, 0), messages.STDOUT, f"{OUTPUT_CUT_NOTE}: held open]".encode())
-    assert c.output_truncated
-    c.mark_incomplete("a later reason is not kept")
-    text = c.rank0_stdout()
+    assert c.stdout.cut
+    c.stdout.mark_incomplete("a later reason is not kept")
+    text = c.stdout.text()
     assert text.startswith("one\ntwo\n")
     assert text.endswith("[sparktorch_ops: output may be incomplete: rank 0's supervisor "
                          "stopped reading its output early]\n")  # fmt: skip

@@ -126,15 +126,15 @@ def test_where_in_a_dump_is_its_first_threads_innermost_frame() -> None:
 
 def test_the_collector_times_each_ranks_silence_from_its_connection() -> None:
     runs = collector()
-    assert runs.silences() == {}
+    assert runs.ranks.silences() == {}
     runs.on_hello(peer(1, 0))
     runs.on_hello(peer(2, 1))
     time.sleep(0.2)
     runs.on_frame(peer(1, 0), 2, b"a line")  # stdout of rank 0: progress
-    silent = runs.silences()
+    silent = runs.ranks.silences()
     assert silent[1] >= 0.2 > silent[0]
     runs.on_frame(peer(1, 0), 7, b'{"exit_code": 0, "signal": null, "time": 0}')
-    assert list(runs.silences()) == [1]  # an exited rank is not silent
+    assert list(runs.ranks.silences()) == [1]  # an exited rank is not silent
 
 
 def test_answers_are_matched_to_their_request_and_logged_when_asked(
@@ -142,9 +142,9 @@ def test_answers_are_matched_to_their_request_and_logged_when_asked(
 ) -> None:
     runs = collector()
     runs.on_hello(peer(1, 0))
-    quiet, targets = runs.open_stack_request(log=False)
-    logged, _ = runs.open_stack_request(log=True)
-    assert targets == {0: 1}
+    quiet = runs.stacks.open(log=False)
+    logged = runs.stacks.open(log=True)
+    assert runs.supervisors() == {0: 1}
 
     def answer(request: int) -> bytes:
         return RankStacks(request, "Thread MainThread ...", "in f (t.py:1)", "threads").encode()
@@ -153,7 +153,7 @@ def test_answers_are_matched_to_their_request_and_logged_when_asked(
         runs.on_frame(peer(1, 0), STACKS, answer(quiet))
         runs.on_frame(peer(1, 0), STACKS, answer(logged))
         runs.on_frame(peer(1, 0), STACKS, answer(99))  # no such request: dropped
-    assert list(runs.stack_answers(quiet)) == [0] and list(runs.stack_answers(logged)) == [0]
+    assert list(runs.stacks.answers(quiet)) == [0] and list(runs.stacks.answers(logged)) == [0]
     assert [r.getMessage().split("\n")[0] for r in caplog.records] == [
         "sparktorch_ops: rank 0 is in f (t.py:1) (stacks taken by its helper thread):"
     ]
