@@ -49,8 +49,9 @@ Guarantees:
   :func:`wait`, ``torch.distributed.destroy_process_group`` and the end of the training
   function first wait for it. A background failure is raised there as
   :class:`~sparktorch_ops.errors.CheckpointError` (naming the rank and the step), so it fails
-  the run; it is also written to the rank's stderr when it happens. A rank killed while a save
-  is in flight leaves that step uncommitted: a restart resumes the one before.
+  the run; it is also logged when it happens (in the driver's log, at WARNING). A rank
+  killed while a save is in flight leaves that step uncommitted: a restart resumes the one
+  before.
 * Checkpoints reshard: each rank writes only its own shards (FSDP2 ``DTensor``\\ s) and the
   metadata records global shapes, so a checkpoint written by N ranks loads on M ranks, or in
   one plain process.

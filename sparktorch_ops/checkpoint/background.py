@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import logging
 import os
 import queue
 import threading
@@ -81,7 +82,11 @@ def save_in_background(write: Write, converted: Mapping[str, Any]) -> None:
         except BaseException as exc:
             pending.error = CheckpointError(pending.rank, write.step, write.url, describe(exc))
             pending.error.__cause__ = exc
-            announce(f"{pending.error}; the run fails at the next save, wait() or its end", None)
+            announce(
+                f"{pending.error}; the run fails at the next save, wait() or its end",
+                None,
+                logging.WARNING,
+            )
         finally:
             pending.done.set()
 

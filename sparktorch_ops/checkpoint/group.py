@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.rank import reporting
 
 _T = TypeVar("_T")
 
@@ -74,13 +75,16 @@ class Group:
             dist.barrier(group=process_group)
 
 
-def announce(text: str, log: logging.Logger | None) -> None:
-    """Say ``text`` as the checkpoint code: to ``log`` at INFO, else to the rank's stderr."""
-    # The rank's stderr reaches the driver's log (at WARNING); a given logger gets it at INFO.
+def announce(text: str, log: logging.Logger | None, level: int = logging.INFO) -> None:
+    """Say ``text`` as the checkpoint code: to ``log``, else to the driver's log (in a run),
+    else to the process's stderr."""
     if log is not None:
-        log.info(text)
-    else:
-        sys.stderr.write(f"sparktorch_ops.checkpoint: {text}\n")
+        log.log(level, text)
+        return
+    line = f"sparktorch_ops.checkpoint: {text}"
+    # Not the rank's stderr in a run: the driver logs that at WARNING, whatever the news.
+    if not reporting.notice(line, level):
+        sys.stderr.write(f"{line}\n")
         sys.stderr.flush()
 
 

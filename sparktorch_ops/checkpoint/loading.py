@@ -56,7 +56,8 @@ def load_latest(
     Args:
         state: a :class:`TrainingState` or a dict (see the module docstring).
         directory: the checkpoint directory (default: :func:`checkpoint_dir`).
-        log: where rank 0's line goes (INFO); default: the rank's stderr.
+        log: where rank 0's line goes (INFO); default: the driver's log in a run, else the
+            process's stderr.
 
     Returns:
         The step loaded, None when nothing was resumed (a warm start included).

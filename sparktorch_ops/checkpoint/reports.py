@@ -36,7 +36,11 @@ def replay(location: Location, name: str, log: logging.Logger | None) -> None:
         with location.open(name, REPORTS_FILE) as handle:
             records = json.loads(handle.read())
     except (OSError, ValueError) as exc:
-        announce(f"the reports saved with {location.url(name)} cannot be read: {exc}", log)
+        announce(
+            f"the reports saved with {location.url(name)} cannot be read: {exc}",
+            log,
+            logging.WARNING,
+        )
         return
     if isinstance(records, list):
         reporting.replay(record for record in records if isinstance(record, dict))

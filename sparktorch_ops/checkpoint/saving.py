@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import logging
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -272,7 +273,11 @@ class Write:
             except FileNotFoundError:
                 pass  # deleted by someone else
             except Exception as exc:  # best effort (any store's error): a later save tries again
-                announce(f"could not delete {location.url(step_dir_name(step))}: {exc}", None)
+                announce(
+                    f"could not delete {location.url(step_dir_name(step))}: {exc}",
+                    None,
+                    logging.WARNING,
+                )
                 continue
             with _known_lock:
                 present.pop(step, None)

@@ -32,7 +32,8 @@ def warm_start(
             checkpoints: its newest committed one; or one step directory, or any DCP
             checkpoint), or a file written by ``torch.save(model.state_dict())`` (with one
             module in the state; with several, a dict of their state dicts by state key).
-        log: where rank 0's line goes (INFO); default: the rank's stderr.
+        log: where rank 0's line goes (INFO); default: the driver's log in a run, else the
+            process's stderr.
 
     Returns:
         What was loaded: the step directory or the file.

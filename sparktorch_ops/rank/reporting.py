@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from sparktorch_ops.wire import channel
-from sparktorch_ops.wire.messages import MessageError, MetricReport
+from sparktorch_ops.wire.messages import MessageError, MetricReport, Notice
 
 # A checkpoint carries rank 0's records of this many seconds before it (the driver sends them
 # to MLflow within a second or so; older ones are lost only if MLflow was down), at most
@@ -83,6 +83,17 @@ def replay(records: Iterable[Mapping[str, Any]]) -> int:
         client.send_message(message)
         sent += 1
     return sent
+
+
+def notice(text: str, level: int) -> bool:
+    """Send a line of our own rank-side code to the driver's log at ``level``; False outside
+    a run (nothing was sent)."""
+    with _lock:
+        client = _client
+    if client is None:
+        return False
+    client.send_message(Notice(level=level, text=text))
+    return True
 
 
 def _keep(message: MetricReport) -> None:

@@ -31,6 +31,7 @@ STACK_REQUEST = 14  # driver -> a rank's supervisor: where are the rank's thread
 STACKS = 15  # supervisor -> driver: the answer
 ARRIVED = 16  # barrier task over Connect -> driver: it reached the driver and waits to be told
 IN_STAGE = 17  # driver -> those tasks: some task did not reach it; agree among yourselves
+NOTICE = 18  # rank -> driver: a line of our rank-side code, at its own log level
 
 Role = Literal["node", "supervisor", "worker"]
 ROLES = ("node", "supervisor", "worker")
@@ -188,6 +189,23 @@ class MetricReport(Message):
         for key, value in self.values.items():
             if value is not None and not isinstance(value, (bool, int, float, str)):
                 raise MessageError(f"MetricReport.values[{key!r}] is not a scalar")
+
+
+@dataclass(frozen=True)
+class Notice(Message):
+    """A line our rank-side code says (a checkpoint resumed, a fresh start), at a log level of
+    its own: the rank's stderr reaches the driver's log at WARNING, which such lines are not."""
+
+    KIND: ClassVar[int] = NOTICE
+    level: int
+    text: str
+
+    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {"level": (int, False), "text": (str, False)}
+
+    def validate(self) -> None:
+        """A level of the standard library's logging (DEBUG to CRITICAL)."""
+        if self.level not in (10, 20, 30, 40, 50):
+            raise MessageError(f"Notice.level must be a logging level, got {self.level}")
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
+
 from sparktorch_ops.driver.collector import RunCollector
 from sparktorch_ops.driver.collector.output import SCRIPT_OUTPUT_CAP
 from sparktorch_ops.driver.collector.result import ResultBytes
 from sparktorch_ops.wire import channel, messages
-from sparktorch_ops.wire.messages import Hello
+from sparktorch_ops.wire.messages import Hello, Notice
 
 
 def peer(conn_id: int, rank: int, role: str = "supervisor", attempt: int = 0) -> channel.Peer:
@@ -99,3 +101,22 @@ def test_script_output_is_capped_to_its_tail_with_a_note() -> None:
     assert text.startswith("[sparktorch_ops: output cut to its last")
     assert text.endswith("the last line\n")
     assert len(text) <= SCRIPT_OUTPUT_CAP + 200
+
+
+def test_a_notice_is_logged_at_its_own_level_and_kept_in_the_ranks_tail(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Our rank-side lines (a checkpoint resumed, a fresh start) are not the rank's stderr:
+    they reach the log at the level they were sent with."""
+    c = collector()
+    c.on_hello(peer(1, 0))  # the rank's supervisor, then the rank itself
+    c.on_hello(peer(2, 0, role="worker"))
+    text = "sparktorch_ops.checkpoint: no checkpoint under /x: starting fresh"
+    with caplog.at_level(logging.DEBUG, logger="test.collector"):
+        c.on_frame(peer(2, 0, role="worker"), messages.NOTICE, Notice(20, text).encode())
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, f"[rank 0|h0] {text}")
+    ]
+    assert c.ranks.outputs()[0] == text
+    with pytest.raises(messages.MessageError, match="logging level"):
+        Notice.decode(Notice(25, text).encode())

@@ -9,6 +9,7 @@ output goes to :mod:`.output`, rank 0's result to :mod:`.result`, exits and fail
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from sparktorch_ops.wire.messages import (
     EXIT,
     FAILURE,
     METRIC,
+    NOTICE,
     RDZV,
     RESULT_CHUNK,
     RESULT_END,
@@ -40,6 +42,7 @@ from sparktorch_ops.wire.messages import (
     FailureReport,
     Hello,
     MetricReport,
+    Notice,
     RankStacks,
     RendezvousPort,
     ResultEnd,
@@ -150,7 +153,8 @@ class RunCollector(channel.ChannelHandler):
                 self.output.agent(hello.node, hello.host, kind == STDERR, lines)
             else:
                 assert hello.rank is not None
-                self._rank_lines(hello.rank, kind, lines)
+                level = logging.INFO if kind == STDOUT else logging.WARNING
+                self._rank_lines(hello.rank, level, lines, script_output=kind == STDOUT)
             return
         if hello.role == "node":
             assert hello.node is not None
@@ -165,6 +169,9 @@ class RunCollector(channel.ChannelHandler):
             if state is not None and state.heard_at is not None:
                 state.heard_at = time.monotonic()  # a report() is progress, values or not
             self.metrics.add(rank, MetricReport.decode(payload))
+        elif kind == NOTICE:
+            notice = Notice.decode(payload)
+            self._rank_lines(rank, notice.level, notice.text.split("\n"), script_output=False)
         elif kind == RESULT_CHUNK and rank == 0:
             self.result.add(payload)
         elif kind == RESULT_END and rank == 0:
@@ -217,13 +224,15 @@ class RunCollector(channel.ChannelHandler):
             assert hello.node is not None
             self.ranks.node_lost(hello.node, hello.host)
 
-    def _rank_lines(self, rank: int, kind: int, lines: list[str]) -> None:
+    def _rank_lines(self, rank: int, level: int, lines: list[str], *, script_output: bool) -> None:
+        """A rank's lines: progress, kept in its tail, forwarded at ``level``; rank 0's stdout
+        (``script_output``) is a script's value."""
         state = self.ranks.get(rank)
         state.heard_at = time.monotonic()
         state.tail.extend(lines)
-        if rank == 0 and kind == STDOUT and self._keep_stdout:
+        if rank == 0 and script_output and self._keep_stdout:
             self.stdout.extend(lines)
-        self.output.rank(rank, state.host, kind == STDERR, lines)
+        self.output.rank(rank, state.host, level, lines)
 
     # -- for the launchers -------------------------------------------------------------------
     def data_ready(self, rows: int) -> None:

@@ -132,10 +132,9 @@ class Forwarder:
         self.agent_tail = Tail()
         self.tearing_down = False
 
-    def rank(self, rank: int, host: str, stderr: bool, lines: list[str]) -> None:
-        """A rank's lines: stdout at INFO, stderr at WARNING."""
+    def rank(self, rank: int, host: str, level: int, lines: list[str]) -> None:
+        """A rank's lines at ``level`` (stdout at INFO, stderr at WARNING)."""
         if self._log_ranks is None or rank in self._log_ranks:
-            level = logging.WARNING if stderr else logging.INFO
             self._emit(level, f"[rank {rank}|{host}]", lines)
 
     def agent(self, node: int, host: str, stderr: bool, lines: list[str]) -> None:
