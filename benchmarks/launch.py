@@ -345,11 +345,6 @@ CHECKPOINTS: dict[str, list[tuple[str, str, str]]] = {
             MEASURED,
         ),
         ("slots_ready", "driver: Spark conf and slot checks", MEASURED),
-        (
-            "executors_checked",
-            "driver: Spark preflight probe job (executors' Python, imports)",
-            MEASURED,
-        ),
         ("launcher_started", "driver: channel, plan, submit the barrier job", MEASURED),
         (
             "node_connected (last)",

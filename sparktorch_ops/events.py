@@ -21,7 +21,7 @@ class RunState(enum.Enum):
     """Where a run is in its life."""
 
     PENDING = "pending"
-    PREPARING = "preparing"  # Spark session, preflight checks, slots, executor probe
+    PREPARING = "preparing"  # Spark session, preflight checks, slots
     STARTING = "starting"  # channel open, agents starting, ranks connecting
     RUNNING = "running"  # every rank connected
     FINISHING = "finishing"  # ranks done (or failed): draining, tearing down
@@ -49,7 +49,6 @@ _NEXT: dict[RunState, frozenset[RunState]] = {
 PAYLOAD_PACKED = "payload_packed"
 SESSION_READY = "session_ready"
 SLOTS_READY = "slots_ready"
-EXECUTORS_CHECKED = "executors_checked"
 CHANNEL_OPEN = "channel_open"
 INPUT_CHECKED = "input_checked"  # the DataFrame input was checked: rows, columns
 DATA_READY = "data_ready"  # every rank has its DataFrame shard (DataFrame input)

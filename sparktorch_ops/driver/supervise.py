@@ -18,6 +18,7 @@ from sparktorch_ops import errors
 from sparktorch_ops.driver.launch import Launched
 from sparktorch_ops.driver.stacks import capture_stacks
 from sparktorch_ops.results import RankFailure
+from sparktorch_ops.spark.preflight import unusable_python
 from sparktorch_ops.spec import LaunchSpec
 
 POLL_S = 0.05
@@ -59,9 +60,10 @@ class Supervisor:
             TrainingTimeoutError, StartTimeoutError: a limit ran out.
             TrainingCancelledError: the run was cancelled.
             ResultTooLargeError: rank 0's result is over ``max_result_bytes``.
+            ConfigError: an executor's Python cannot run the ranks (no torch, a broken one).
             SparkJobKilledError: the job was killed from Spark's UI.
 
-        Each but the last two says where the ranks were (``stacks``), also logged.
+        Each but the last three says where the ranks were (``stacks``), also logged.
         """
         try:
             return self._watch()
@@ -110,6 +112,8 @@ class Supervisor:
                 self._check_stall(spec.stall_timeout)
             if collector.result.refused is not None:
                 raise collector.result.refused  # stop rank 0 sending the rest
+            if collector.unusable is not None:
+                raise unusable_python(collector.unusable)
             if collector.ranks.fatal:
                 # The failed rank reports its exit a moment after its failure: wait for that
                 # (briefly) so the error has the exit code before the others are torn down.

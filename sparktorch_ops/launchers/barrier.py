@@ -10,9 +10,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from sparktorch_ops.errors import SparkJobKilledError
+from sparktorch_ops.errors import ConfigError, SparkJobKilledError
 from sparktorch_ops.node.task import STAGE_DDL, BarrierTask, TaskReport, stage_row_item, stage_rows
 from sparktorch_ops.spark.dataframe import PreparedInput, barrier_refused
+from sparktorch_ops.spark.preflight import other_python_version
 from sparktorch_ops.spark.shipping import ship_package
 from sparktorch_ops.wire.payload import Payload
 from sparktorch_ops.wire.plan import RunPlan
@@ -67,6 +68,7 @@ class BarrierLauncher:
         self.spark_error: str | None = None
         self.spark_error_detail = ""
         self._killed = False
+        self._wrong_python: ConfigError | None = None
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -93,6 +95,7 @@ class BarrierLauncher:
             try:
                 message = _java_message(exc)
                 self._killed = not self._stopping and _cancelled_by_spark(message)
+                self._wrong_python = other_python_version(message)
                 self.spark_error, self.spark_error_detail = _summarize(exc, message)
             finally:
                 self._error = exc
@@ -153,9 +156,12 @@ class BarrierLauncher:
         Raises:
             SparkJobKilledError: the job was cancelled from outside the run (the Spark UI's
                 kill link, ``cancelJobGroup``, ``cancelAllJobs``).
+            ConfigError: the executors' Python is not the driver's version.
         """
         if not self._done.is_set():
             return None
+        if self._wrong_python is not None:
+            raise self._wrong_python
         if self._killed:
             raise SparkJobKilledError(
                 f"the Spark job was killed outside sparktorch_ops (the Spark UI's kill link, "

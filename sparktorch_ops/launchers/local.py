@@ -11,7 +11,7 @@ from sparktorch_ops.data.shards import epoch_rows, write_schema_file, write_shar
 from sparktorch_ops.driver.collector import RunCollector
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.node.process import AgentProcess, marked_processes, terminate_processes
-from sparktorch_ops.node.warm import ForkedAgent, after_run, start_agent
+from sparktorch_ops.node.warm import ForkedAgent, TorchImportError, after_run, start_agent
 from sparktorch_ops.spark.dataframe import PreparedInput, stream_batches
 from sparktorch_ops.wire.channel import write_secret_file
 from sparktorch_ops.wire.env import DATA_DIR_ENV, EPOCH_ROWS_ENV, RUN_ID_ENV, SCHEMA_FILE_ENV
@@ -73,13 +73,21 @@ class LocalLauncher:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
             raise
-        self._agent = start_agent(
-            agent.argv,
-            env,
-            None,
-            on_stdout=self._collector.agent_output(0, node.host, stderr=False),
-            on_stderr=self._collector.agent_output(0, node.host, stderr=True),
-        )
+        try:
+            self._agent = start_agent(
+                agent.argv,
+                env,
+                None,
+                on_stdout=self._collector.agent_output(0, node.host, stderr=False),
+                on_stderr=self._collector.agent_output(0, node.host, stderr=True),
+            )
+        except TorchImportError as exc:
+            raise ConfigError(
+                "local_mode",
+                f"local mode runs the ranks on this machine, but {agent.argv[0]} cannot import "
+                f"torch ({exc}): install torch for it, or use local_mode=False with executors "
+                "that have it",
+            ) from None
 
     def _write_data(self, workdir: str) -> dict[str, str]:
         """DataFrame input: stream it here and share it out, one shard per rank."""

@@ -8,12 +8,15 @@ run's own socket, the agent's stdout and stderr); it forks, and the child become
 agent exactly as ``python -m sparktorch_ops.node.agent`` would, minus the interpreter start and the
 imports (DESIGN section 9). This process never runs a run's code itself, so nothing a run does
 (environment, imported modules, thread settings) is seen by the next: each agent is a fresh
-fork of the same untouched image.
+fork of the same untouched image. A barrier task 0 also asks it for its run's rendezvous store
+(one socket, ``{"store": host}``): a forked child hosts torch's TCPStore on a port the OS picks
+and keeps it while the task holds the socket, so the task's own Python never imports torch.
 
 Lifetime: the server reports each agent's pid and exit status on the run's socket and stops an
 agent whose run socket closes first (its launcher gave up or died). When the control socket
 closes (the launcher dropped this server, or died) it takes no more runs and leaves once its
-agents are gone; when its parent dies it stops every agent and leaves at once.
+agents are gone; when its parent dies it stops every agent and leaves at once. When its imports
+fail (torch missing or broken), it forks nothing: it answers every run with the error.
 """
 
 from __future__ import annotations
@@ -157,10 +160,47 @@ def _become_agent(
         os._exit(code)
 
 
+def _become_store(
+    request: dict[str, Any], run_sock: socket.socket, inherited: list[int]
+) -> NoReturn:
+    """In the forked child: host a run's rendezvous store (torch's TCPStore) on a port the OS
+    picks, say which on the run's socket, and keep it until that socket closes: the barrier
+    task that asked holds it for its whole run (never returns). It carries the run's marker,
+    as the run's other processes do."""
+    code = 1
+    try:
+        os.setsid()
+        for fd in inherited:
+            if fd != run_sock.fileno():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        from sparktorch_ops.wire.env import RUN_ID_ENV
+
+        run_id = str(request.get("run_id", ""))
+        rewrite_marker(f"{RUN_ID_ENV}={run_id}")
+        rewrite_command_line(
+            [sys.executable, "-m", "sparktorch_ops.node.forkserver", "store", run_id]
+        )
+        from torch.distributed import TCPStore
+
+        host = str(request["store"])
+
+        store = TCPStore(host, 0, is_master=True, wait_for_workers=False, multi_tenant=True)
+        _send(run_sock, {"pid": os.getpid(), "port": int(store.port)})
+        while run_sock.recv(1 << 10):
+            pass
+        code = 0
+    except BaseException as exc:  # pragma: no cover - reported to the task that asked
+        _send(run_sock, {"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        os._exit(code)
+
+
 class _Server:
-    def __init__(self, control: socket.socket, parent: int) -> None:
+    def __init__(self, control: socket.socket, parent: int, import_error: str | None) -> None:
         self.control = control
         self.parent = parent
+        self.import_error = import_error
         self.accepting = True
         self.agents: dict[int, _Agent] = {}  # by pidfd
 
@@ -187,20 +227,28 @@ class _Server:
             message, fds, _, _ = socket.recv_fds(self.control, _MAX_REQUEST_BYTES, 3)
         except OSError:
             message, fds = b"", []
-        if not message or len(fds) != 3:
+        if not message or len(fds) not in (1, 3):
             for fd in fds:
                 os.close(fd)
             if not message:
                 self.accepting = False  # dropped by the launcher: no more runs
             return
+        if len(fds) == 1:  # a rendezvous store: one socket, no output
+            fds += [os.open(os.devnull, os.O_WRONLY) for _ in range(2)]
         run_fd, out_fd, err_fd = fds
         run_sock = socket.socket(fileno=run_fd)
-        from sparktorch_ops.rank.bootstrap import fork_keeps_cuda_usable
+        refusal = None
+        if self.import_error is not None:
+            refusal = {"refused": "its imports failed", "import_error": self.import_error}
+        else:
+            from sparktorch_ops.rank.bootstrap import fork_keeps_cuda_usable
 
-        if not fork_keeps_cuda_usable():
-            # A fork of a process that touched CUDA could not use it: the launcher must start
-            # a fresh interpreter, and drop this server.
-            _send(run_sock, {"refused": "this warm process has initialised CUDA"})
+            if not fork_keeps_cuda_usable():
+                # A fork of a process that touched CUDA could not use it: the launcher must
+                # start a fresh interpreter, and drop this server.
+                refusal = {"refused": "this warm process has initialised CUDA"}
+        if refusal is not None:
+            _send(run_sock, refusal)
             for fd in (out_fd, err_fd):
                 os.close(fd)
             run_sock.close()
@@ -209,14 +257,18 @@ class _Server:
         inherited = [self.control.fileno(), run_fd]
         for agent in self.agents.values():
             inherited += [agent.pidfd, agent.sock.fileno()]
+        store_host = request.get("store")
         pid = os.fork()
         if pid == 0:
+            if store_host is not None:
+                _become_store(request, run_sock, [*inherited, out_fd, err_fd])
             _become_agent(request, out_fd, err_fd, inherited)
         os.close(out_fd)
         os.close(err_fd)
         pidfd = os.pidfd_open(pid)
         self.agents[pidfd] = _Agent(pid, pidfd, run_sock)
-        _send(run_sock, {"pid": pid})
+        if store_host is None:  # a store says its pid with its port
+            _send(run_sock, {"pid": pid})
 
     def _reap(self, agent: _Agent) -> None:
         _, status = os.waitpid(agent.pid, 0)
@@ -276,20 +328,26 @@ def main() -> None:
     # parent instead, and the control socket closes with the launcher.
     # A Spark Python worker may ignore SIGCHLD; exit statuses must be collectable here.
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    # What an agent would import first thing, so that no run pays for it.
-    from sparktorch_ops.rank.pickling import cloudpickle_module
+    # What an agent would import first thing, so that no run pays for it. A failure is each
+    # run's news (this interpreter cannot run ranks: torch missing or broken): the server
+    # stays, answering every run with it, until the launcher drops it.
+    import_error = None
+    try:
+        from sparktorch_ops.rank.pickling import cloudpickle_module
 
-    cloudpickle_module()
-    import torch.distributed.run  # noqa: F401
+        cloudpickle_module()
+        import torch.distributed.run  # noqa: F401
 
-    import sparktorch_ops.node.agent
-    import sparktorch_ops.rank.bootstrap  # noqa: F401
+        import sparktorch_ops.node.agent
+        import sparktorch_ops.rank.bootstrap  # noqa: F401
+    except Exception as exc:
+        import_error = f"{type(exc).__name__}: {exc}"
 
     # Children inherit these objects; keep the collector off them, so that collections in the
     # agents and ranks neither walk them nor copy their shared pages.
     gc.freeze()
     _send(control, {"ready": os.getpid()})
-    _Server(control, launcher).serve()
+    _Server(control, launcher, import_error).serve()
     os._exit(0)
 
 

@@ -1,15 +1,18 @@
 """What runs inside each Spark barrier task: one node's torchrun agent.
 
 Task 0 hosts the rendezvous store on a port it binds itself (port 0: no bind-and-release race
-with other jobs on the host) and keeps it for the whole run; every task learns the port from the
-driver, to which task 0 reports it over the channel. Each task then starts its agent with the
-task's GPUs, forwards the agent's output, and stops the agent's whole process tree when the
-driver closes the channel (cancel, timeout, a failed rank elsewhere, or a dead driver).
+with other jobs on the host) and keeps it for the whole run, in a child of its warm process (so
+the task's Python never imports torch: the warm process's import is the node's only one); every
+task learns the port from the driver, to which task 0 reports it over the channel. Each task
+first checks that its Python has torch, then starts its agent with the task's GPUs, forwards the
+agent's output, and stops the agent's whole process tree when the driver closes the channel
+(cancel, timeout, a failed rank elsewhere, or a dead driver).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 import json
 import os
@@ -34,7 +37,14 @@ from sparktorch_ops.data.shards import (
 from sparktorch_ops.node import netif, package
 from sparktorch_ops.node.process import marked_processes, terminate_processes
 from sparktorch_ops.node.relay import Relay, RelayedFrame
-from sparktorch_ops.node.warm import after_run, prestart, start_agent
+from sparktorch_ops.node.warm import (
+    HostedStore,
+    TorchImportError,
+    after_run,
+    host_store,
+    prestart,
+    start_agent,
+)
 from sparktorch_ops.wire import channel
 from sparktorch_ops.wire.env import (
     DATA_DIR_ENV,
@@ -55,6 +65,7 @@ from sparktorch_ops.wire.messages import (
     Hello,
     RendezvousPort,
     ShardSizes,
+    UnusablePython,
 )
 from sparktorch_ops.wire.payload import Payload, write_rank_payload
 from sparktorch_ops.wire.plan import RunPlan, visible_gpus
@@ -66,9 +77,23 @@ REACH_TIMEOUT_S = 5.0
 RETRIED_STAGE = "Spark retried the barrier stage after a failure; sparktorch_ops refuses retries"
 
 
-def _host_rendezvous_store(host: str) -> tuple[Any, int]:
-    """A TCPStore server on a port the OS picks, kept open by this process."""
-    from torch.distributed import TCPStore
+def _host_rendezvous_store(
+    host: str, agent_argv: list[str], agent_env: dict[str, str]
+) -> tuple[Any, int]:
+    """A TCPStore server on a port the OS picks, kept open while the task holds the first
+    value: hosted by a child of the warm process that will fork this node's agent (this
+    process then never imports torch), else in this process.
+
+    Raises:
+        TorchImportError: torch does not import here.
+    """
+    hosted = host_store(agent_argv, agent_env, host)
+    if hosted is not None:
+        return hosted, hosted.port
+    try:
+        from torch.distributed import TCPStore
+    except Exception as exc:
+        raise TorchImportError(f"{type(exc).__name__}: {exc}") from exc
 
     store = TCPStore(host, 0, is_master=True, wait_for_workers=False, multi_tenant=True)
     return store, int(store.port)
@@ -207,13 +232,19 @@ class BarrierTask:
             else None
         )
         hello = Hello(role="node", node=node, host=hosts[node], attempt=0, pid=os.getpid())
-        # A fresh Spark Python worker has no warm process yet: its torch import then overlaps
-        # the channel, the store and the tasks' agreement.
+        # The executor's Python is checked here, in the run's own stage, rather than by a job
+        # before it: the warm process's torch import (which a broken torch fails) is then the
+        # only one on a fresh worker's critical path, and it overlaps the channel and the
+        # tasks' agreement.
+        unusable = None if importlib.util.find_spec("torch") else "No module named 'torch'"
         argv, env = self._agent_command(node, hosts[node], hosts[0], gpus, os.devnull, os.devnull)
-        prestart(argv, env)
+        if unusable is None:
+            prestart(argv, env)
         client, relay, unreachable = self._connect(hello, workdir)
         store = None
         try:
+            if unusable is not None:
+                return self._unusable(client, relay, node, hosts[node], unusable), relay
             if self.coordinate_in_stage and relay is None:
                 client.send_message(Arrived(node=node))
             data_env: dict[str, str] = {}
@@ -239,8 +270,10 @@ class BarrierTask:
             port_message: RendezvousPort | None = None
             if node == 0:
                 try:
-                    store, port = _host_rendezvous_store(hosts[0])
+                    store, port = _host_rendezvous_store(hosts[0], argv, env)
                     port_message = RendezvousPort(port=port)
+                except TorchImportError as exc:
+                    return self._unusable(client, relay, node, hosts[node], str(exc)), relay
                 except Exception as exc:
                     error = f"cannot host the rendezvous store on {hosts[0]}: {exc}"
                     port_message = RendezvousPort(error=error)
@@ -262,10 +295,18 @@ class BarrierTask:
             endpoint = channel.join_address(hosts[0], port)
             # With every task live the driver stops the agents and holds the store, as on a
             # classic session; a relaying task needs the tasks to do both themselves.
-            stop = StopSignal(store, hosts[0], port, self.plan.run_id) if anyone_relays else None
-            code = self._run_agent(
-                client, node, hosts[node], endpoint, gpus, workdir, data_env, relay, stop, feed
-            )
+            stop = None
+            if anyone_relays:
+                in_process = None if isinstance(store, HostedStore) else store
+                stop = StopSignal(in_process, hosts[0], port, self.plan.run_id)
+            try:
+                code = self._run_agent(
+                    client, node, hosts[node], endpoint, gpus, workdir, data_env, relay, stop, feed
+                )
+            except TorchImportError as exc:
+                if stop is not None:
+                    stop.set(node)
+                return self._unusable(client, relay, node, hosts[node], str(exc)), relay
             if stop is not None:
                 if code != 0:
                     stop.set(node)
@@ -278,9 +319,28 @@ class BarrierTask:
 
         finally:
             client.close()
+            if isinstance(store, HostedStore):
+                store.close()
             del store
             if relay is not None:
                 relay.close()
+
+    def _unusable(
+        self,
+        client: channel.ChannelClient,
+        relay: Relay | None,
+        node: int,
+        host: str,
+        reason: str,
+    ) -> TaskReport:
+        """This executor's Python cannot run the ranks: tell the driver (which fails the run
+        with a ConfigError naming the interpreter) and end the task."""
+        client.send_message(UnusablePython(executable=sys.executable, host=host, reason=reason))
+        text = f"the executor's Python {sys.executable} cannot import torch: {reason}"
+        if relay is not None:
+            # The driver hears of it only once the stage is over: end the stage now.
+            raise RuntimeError(text)
+        return TaskReport(node, host, None, text)
 
     def _from_driver(
         self, client: channel.ChannelClient, own: RendezvousPort | None, data: bool = True

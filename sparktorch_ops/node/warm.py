@@ -13,7 +13,9 @@ the warm process started with in what torch's import may read (anything but the 
 variables, its GPUs and a torch group's ranks: a new warm process takes its place); a warm
 process that has initialised CUDA (refused: a fork could not use it). A warm process is dropped
 after any run that did not succeed (failure, cancel, timeout), so none is left after those; it
-goes with its launcher.
+goes with its launcher. A warm process whose imports failed (torch missing or broken) answers
+each run with its error, which :func:`start_agent` raises (:class:`TorchImportError`): a cold
+agent would only fail the same way, later and less clearly.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from sparktorch_ops.node.forkserver import command_line_room, slot_value
 from sparktorch_ops.node.process import AgentProcess, ProcessHandle, pump_lines, terminate_tree
 from sparktorch_ops.wire.env import (
     PER_RUN_VARIABLES,
+    RUN_ID_ENV,
     TORCH_GROUP_VARIABLES,
     WARM_AGENT_ENV,
     WARM_PROCESS_ENV,
@@ -57,6 +60,10 @@ _log = logging.getLogger(__name__)
 
 class WarmUnavailable(Exception):
     """The warm process could not fork this run's agent (the run starts a cold one)."""
+
+
+class TorchImportError(Exception):
+    """The interpreter cannot import what an agent needs (torch): no agent can start on it."""
 
 
 def warm_enabled(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
@@ -126,6 +133,7 @@ class WarmServer:
 
         Raises:
             WarmUnavailable: the server is gone, refused, or did not answer in time.
+            TorchImportError: the server could not import torch.
         """
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         out_read, out_write = os.pipe()
@@ -152,6 +160,33 @@ class WarmServer:
             raise
         return ForkedAgent(self, int(reply["pid"]), mine, out_read, err_read, on_stdout, on_stderr)
 
+    def host_store(self, host: str, run_id: str) -> HostedStore:
+        """Have the server fork a child that hosts run ``run_id``'s rendezvous store on
+        ``host``.
+
+        Raises:
+            WarmUnavailable: the server is gone, refused, or did not answer in time.
+            TorchImportError: the server could not import torch.
+        """
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            with self._lock:
+                request = json.dumps({"store": host, "run_id": run_id}).encode()
+                socket.send_fds(self._control, [request], [theirs.fileno()])
+        except OSError as exc:
+            mine.close()
+            raise WarmUnavailable(f"the warm agent is gone ({exc})") from exc
+        finally:
+            theirs.close()
+        try:
+            reply = self._await_reply(mine)
+            if "port" not in reply:
+                raise WarmUnavailable(f"the warm agent could not host a store: {reply}")
+        except BaseException:
+            mine.close()
+            raise
+        return HostedStore(int(reply["port"]), mine)
+
     def _await_reply(self, sock: socket.socket) -> dict[str, Any]:
         deadline = time.monotonic() + _FORK_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -161,8 +196,11 @@ class WarmServer:
                 if not data:
                     raise WarmUnavailable("the warm agent exited before it forked the run's agent")
                 reply: dict[str, Any] = json.loads(data)
+                if "import_error" in reply:
+                    raise TorchImportError(str(reply["import_error"]))
                 if "pid" not in reply:
-                    raise WarmUnavailable(f"the warm agent refused: {reply.get('refused')}")
+                    refusal = reply.get("refused") or reply.get("error")
+                    raise WarmUnavailable(f"the warm agent refused: {refusal}")
                 return reply
             if self.proc.poll() is not None:
                 raise WarmUnavailable(f"the warm agent exited with code {self.proc.returncode}")
@@ -184,6 +222,19 @@ class WarmServer:
             self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
+
+
+class HostedStore:
+    """A run's rendezvous store, hosted by a child of the warm process for as long as this
+    object is open (the child leaves when :meth:`close` closes its socket)."""
+
+    def __init__(self, port: int, sock: socket.socket) -> None:
+        self.port = port
+        self._sock = sock
+
+    def close(self) -> None:
+        """Let the store go (idempotent)."""
+        self._sock.close()
 
 
 class ForkedAgent:
@@ -264,7 +315,12 @@ def start_agent(
     on_stderr: Callable[[list[str]], None],
 ) -> AgentProcess | ForkedAgent:
     """Start a run's agent: forked from this process's warm agent (started here if there is
-    none, or none for this interpreter and environment), else as a fresh interpreter."""
+    none, or none for this interpreter and environment), else as a fresh interpreter.
+
+    Raises:
+        TorchImportError: the warm process could not import torch (a cold agent could not
+            either: no fallback).
+    """
     argv = list(argv)
     if not warm_enabled():
         return AgentProcess(argv, env, cwd, on_stdout, on_stderr)
@@ -273,12 +329,37 @@ def start_agent(
         server = _server_for(python, wanted, argv)
         try:
             return server.fork_agent(argv, env, cwd or os.getcwd(), on_stdout, on_stderr)
+        except TorchImportError:
+            discard(server)
+            raise
         except WarmUnavailable as exc:
             _log.debug("warm agent not used (%s); attempt %d", exc, attempt)
             discard(server)
             if "refused" in str(exc):
                 break
     return AgentProcess(argv, env, cwd, on_stdout, on_stderr)
+
+
+def host_store(argv: Iterable[str], env: dict[str, str], host: str) -> HostedStore | None:
+    """Host a run's rendezvous store in a child of the warm process that :func:`start_agent`
+    with this argv and environment forks from (started here if need be), so that this process
+    need not import torch; None where warm processes are off or this one cannot serve.
+
+    Raises:
+        TorchImportError: the warm process could not import torch.
+    """
+    argv = list(argv)
+    if not warm_enabled():
+        return None
+    server = _server_for(argv[0], import_environment(env), argv)
+    try:
+        return server.host_store(host, env.get(RUN_ID_ENV, ""))
+    except TorchImportError:
+        discard(server)
+        raise
+    except WarmUnavailable as exc:
+        _log.debug("the warm agent hosts no store (%s)", exc)
+        return None
 
 
 def prestart(argv: Iterable[str], env: dict[str, str]) -> None:

@@ -1,8 +1,9 @@
-"""Barrier mode's checks before launch: settings, slots and the executors' Python.
+"""Barrier mode's checks: settings and slots before launch; the errors for executors whose
+Python cannot run the ranks, which the run's own barrier tasks find.
 
-A barrier stage with too few slots is retried by Spark for minutes, and executors without
-torch fail only once the ranks start: both are found here first, each a typed error naming the
-setting to change.
+A barrier stage with too few slots is retried by Spark for minutes: that is found here first.
+An executor's Python of another version, or without a working torch, fails the stage's tasks
+as they start; both become a typed error naming the setting to change.
 """
 
 from __future__ import annotations
@@ -14,18 +15,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sparktorch_ops import events
-from sparktorch_ops.driver.packing import pickled_by_value
 from sparktorch_ops.driver.planning import barrier_layout, check_slots, registration_grace
 from sparktorch_ops.errors import ConfigError, StartTimeoutError
 from sparktorch_ops.spark.session import conf_true, conf_value, parse_master, task_gpu_amount
 from sparktorch_ops.spec import LaunchSpec
+from sparktorch_ops.wire.messages import UnusablePython
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
 
-_PYTHON_SETTING = "PYSPARK_PYTHON (or spark.pyspark.python)"
-# Executors that passed the probe, by (application id, executor ids): a new executor is probed.
-_PROBED: dict[tuple[str, str], list[dict[str, Any]]] = {}
+PYTHON_SETTING = "PYSPARK_PYTHON (or spark.pyspark.python)"
 
 
 def check_barrier(
@@ -35,16 +34,15 @@ def check_barrier(
     emit: Callable[..., None],
     log: Any,
 ) -> None:
-    """Barrier mode on a classic session: settings, layout, slots (waiting as
-    :func:`wait_for_slots` does) and the executors' Python, each step an event."""
+    """Barrier mode on a classic session: settings, layout and slots (waiting as
+    :func:`wait_for_slots` does). The executors' Python is checked by the run's own barrier
+    tasks (:func:`unusable_python`, :func:`other_python_version`)."""
     check_barrier_conf(sc)
     layout = barrier_layout(spec.num_processes, spec.use_gpu, task_gpu_amount(sc))
     wait_for_slots(sc, layout.num_tasks, spec.start_timeout, cancelled, log)
     if cancelled():
         return
     emit(events.SLOTS_READY, tasks=layout.num_tasks)
-    probe_executors(sc, layout.num_tasks)
-    emit(events.EXECUTORS_CHECKED)
 
 
 def check_connect_client(pyspark_version: str) -> None:
@@ -262,54 +260,27 @@ def _wait_for_free_slots(
         time.sleep(_SLOT_POLL_S)
 
 
-def probe_executors(sc: SparkContext, num_tasks: int) -> list[dict[str, Any]]:
-    """Run a small non-barrier job that checks the executors' Python and imports.
+def unusable_python(found: UnusablePython) -> ConfigError:
+    """The error for a barrier task whose Python cannot import torch (the task checks it
+    first thing: no job of its own before the run's stage)."""
+    return ConfigError(
+        PYTHON_SETTING,
+        f"the executors' Python {found.executable} on {found.host} cannot import: torch "
+        f"({found.reason}). Install torch there (sparktorch_ops itself travels with the run), "
+        f"or set {PYTHON_SETTING} to an interpreter that has it",
+    )
 
-    Done once per set of executors of an application (a replaced executor is probed again).
 
-    Raises:
-        ConfigError: naming PYSPARK_PYTHON, for another Python version or missing packages.
-    """
-    from pyspark import cloudpickle as spark_cloudpickle
-
-    from sparktorch_ops.node import probe as _probe
-
-    executors = (sc.applicationId, ",".join(sorted(_executor_ids(sc))))
-    if executors in _PROBED:
-        return _PROBED[executors]
+def other_python_version(spark_error: str) -> ConfigError | None:
+    """The error for a barrier stage that Spark failed because an executor's Python is not
+    the driver's version (its workers check it first thing), else None."""
+    if "PYTHON_VERSION_MISMATCH" not in spark_error and "different version" not in spark_error:
+        return None
     driver_python = f"{sys.version_info.major}.{sys.version_info.minor}"
-    try:
-        with pickled_by_value(spark_cloudpickle, _probe):
-            rdd = sc.parallelize(range(num_tasks), num_tasks).mapPartitions(_probe.probe_executor)
-            sc.setLocalProperty("spark.job.description", "sparktorch_ops: executor check")
-            try:
-                found: list[dict[str, Any]] = rdd.collect()
-            finally:
-                sc.setLocalProperty("spark.job.description", None)  # type: ignore[arg-type]
-    except Exception as exc:
-        text = str(exc)
-        if "PYTHON_VERSION_MISMATCH" in text or "different version" in text:
-            raise ConfigError(
-                _PYTHON_SETTING,
-                f"the executors run another Python version than the driver ({driver_python}); "
-                f"set {_PYTHON_SETTING} to a Python {driver_python} interpreter that has torch",
-            ) from None
-        raise
-    for executor in found:
-        if executor["python"] != driver_python:
-            raise ConfigError(
-                _PYTHON_SETTING,
-                f"executor {executor['host']} runs Python {executor['python']} "
-                f"({executor['executable']}) but the driver runs {driver_python}; set "
-                f"{_PYTHON_SETTING} to a Python {driver_python} interpreter",
-            )
-        if executor["missing"]:
-            missing = "; ".join(f"{k} ({v})" for k, v in executor["missing"].items())
-            raise ConfigError(
-                _PYTHON_SETTING,
-                f"the executors' Python {executor['executable']} on {executor['host']} cannot "
-                f"import: {missing}. Install torch there (sparktorch_ops itself travels with "
-                f"the run), or set {_PYTHON_SETTING} to an interpreter that has it",
-            )
-    _PROBED[executors] = found
-    return found
+    found = re.search(r"worker has different version:? \(?(\d+\.\d+)", spark_error)
+    theirs = f" (Python {found.group(1)})" if found else ""
+    return ConfigError(
+        PYTHON_SETTING,
+        f"the executors run another Python version{theirs} than the driver ({driver_python}); "
+        f"set {PYTHON_SETTING} to a Python {driver_python} interpreter that has torch",
+    )

@@ -32,6 +32,7 @@ STACKS = 15  # supervisor -> driver: the answer
 ARRIVED = 16  # barrier task over Connect -> driver: it reached the driver and waits to be told
 IN_STAGE = 17  # driver -> those tasks: some task did not reach it; agree among yourselves
 NOTICE = 18  # rank -> driver: a line of our rank-side code, at its own log level
+UNUSABLE = 19  # barrier task -> driver: its Python cannot run the ranks (no torch, a broken one)
 
 Role = Literal["node", "supervisor", "worker"]
 ROLES = ("node", "supervisor", "worker")
@@ -206,6 +207,22 @@ class Notice(Message):
         """A level of the standard library's logging (DEBUG to CRITICAL)."""
         if self.level not in (10, 20, 30, 40, 50):
             raise MessageError(f"Notice.level must be a logging level, got {self.level}")
+
+
+@dataclass(frozen=True)
+class UnusablePython(Message):
+    """A barrier task's Python cannot run the ranks: torch is missing or does not import."""
+
+    KIND: ClassVar[int] = UNUSABLE
+    executable: str
+    host: str
+    reason: str
+
+    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {
+        "executable": (str, False),
+        "host": (str, False),
+        "reason": (str, False),
+    }
 
 
 @dataclass(frozen=True)

@@ -248,9 +248,11 @@ def _other_cpython() -> tuple[str, str] | None:
 @pytest.fixture(scope="module")
 def refused_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, str]:
     """One driver, a barrier run per case on a fresh local[2] session, each of which must fail
-    before launch: dynamic allocation on; executors on a venv of this Python without torch;
-    executors on another CPython minor version (when this machine has one). Returns each
-    case's ConfigError, the driver's output and the torch-less interpreter."""
+    with a ConfigError within seconds: dynamic allocation on (before launch); executors on a
+    venv of this Python without torch, on one whose torch raises on import, and on another
+    CPython minor version (when this machine has one), each found by the run's own barrier
+    tasks. Returns each case's ConfigError, the driver's output and the torch-less
+    interpreter."""
     tmp_path = tmp_path_factory.mktemp("refused-runs")
     venv = tmp_path / "no-torch-venv"
     base = getattr(sys, "_base_executable", sys.executable)
@@ -259,8 +261,18 @@ def refused_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, An
     no_torch = subprocess.run([bare, "-c", "import torch"], capture_output=True, timeout=60)
     assert no_torch.returncode != 0, "the throwaway venv can import torch"
     assert _python_version(bare) == sys.version_info[:2]
+    broken_venv = tmp_path / "broken-torch-venv"
+    subprocess.run([base, "-m", "venv", "--without-pip", str(broken_venv)], check=True, timeout=120)
+    (site,) = broken_venv.glob("lib/python3.*/site-packages")
+    (site / "torch").mkdir()
+    (site / "torch" / "__init__.py").write_text("raise ImportError('libtorch_cpu.so: bad ELF')\n")
+    broken = str(broken_venv / "bin" / "python")
     dynamic = {"spark.dynamicAllocation.enabled": "true", "spark.shuffle.service.enabled": "false"}
-    cases = {"dynamic": (sys.executable, dynamic), "no_torch": (bare, {})}
+    cases = {
+        "dynamic": (sys.executable, dynamic),
+        "no_torch": (bare, {}),
+        "broken_torch": (broken, {}),
+    }
     other = _other_cpython()
     if other is not None:
         cases["version"] = (other[0], {})
@@ -324,20 +336,27 @@ emit(out)
 def test_executor_python_without_torch_is_a_clear_error(
     refused_runs: tuple[dict[str, Any], str, str],
 ) -> None:
-    """Executors on a fresh venv of the same Python (no torch, no sparktorch_ops): the probe
-    fails the run before launch, naming PYSPARK_PYTHON and what is missing."""
+    """Executors on a fresh venv of the same Python (no torch, no sparktorch_ops): the run's
+    barrier tasks find it before their agents start, and the run fails naming PYSPARK_PYTHON,
+    the interpreter and what is missing; one whose torch raises on import likewise, with the
+    import's error."""
     result, output, bare = refused_runs
     case = result["no_torch"]
     assert case["argument"].startswith("PYSPARK_PYTHON"), output[-3000:]
-    assert "PYSPARK_PYTHON" in case["error"] and "torch" in case["error"]
+    assert "PYSPARK_PYTHON" in case["error"] and "No module named 'torch'" in case["error"]
     assert bare in case["error"]  # the interpreter that lacks it
+    broken = result["broken_torch"]
+    assert broken["argument"].startswith("PYSPARK_PYTHON"), output[-3000:]
+    assert "ImportError: libtorch_cpu.so: bad ELF" in broken["error"]
+    assert "broken-torch-venv" in broken["error"]
 
 
 def test_executor_python_of_another_version_is_a_clear_error(
     refused_runs: tuple[dict[str, Any], str, str],
 ) -> None:
-    """Executors on another CPython minor version than the driver: fails before launch,
-    naming PYSPARK_PYTHON. Needs such an interpreter on this machine (PATH or pyenv)."""
+    """Executors on another CPython minor version than the driver: Spark's workers refuse to
+    run the barrier tasks, and the run fails naming PYSPARK_PYTHON. Needs such an interpreter
+    on this machine (PATH or pyenv)."""
     other = _other_cpython()
     if other is None:
         pytest.skip(

@@ -147,3 +147,22 @@ def test_a_tasks_early_warm_up_matches_the_environment_its_agent_starts_with(
     )
     assert early_argv[0] == argv[0]
     assert import_environment(early_env) == import_environment(env)
+
+
+def test_a_warm_process_that_cannot_import_torch_says_why_and_no_cold_agent_starts(
+    tmp_path: Any,
+) -> None:
+    """A torch that is installed but raises on import (a missing CUDA library, a broken
+    wheel): the warm process reports its import error, and the launcher raises it instead of
+    starting a cold agent that would fail the same way, later and less clearly."""
+    from sparktorch_ops.node import warm
+
+    broken = tmp_path / "site" / "torch"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('libcudart.so.12: cannot open')\n")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{tmp_path / 'site'}:{sys.path[0]}"}
+    argv = [sys.executable, "-m", "sparktorch_ops.node.agent", "sparktorch-x"]
+    started: list[str] = []
+    with pytest.raises(warm.TorchImportError, match=r"libcudart\.so\.12: cannot open"):
+        warm.start_agent(argv, env, str(tmp_path), started.extend, started.extend)
+    assert started == [] and warm.warm_processes() == []  # dropped, nothing else started

@@ -37,6 +37,7 @@ from sparktorch_ops.wire.messages import (
     STACKS,
     STDERR,
     STDOUT,
+    UNUSABLE,
     Arrived,
     ExitReport,
     FailureReport,
@@ -47,6 +48,7 @@ from sparktorch_ops.wire.messages import (
     RendezvousPort,
     ResultEnd,
     ShardSizes,
+    UnusablePython,
 )
 
 _PHASE_OF_ROLE = {
@@ -79,6 +81,7 @@ class RunCollector(channel.ChannelHandler):
         metrics: the ``report()`` records.
         stacks: the open stack requests.
         coordinator: the nodes' rendezvous port, shard sizes and arrivals.
+        unusable: the first barrier task whose Python cannot run the ranks, if any.
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class RunCollector(channel.ChannelHandler):
         self.coordinator = Coordinator(
             lambda reason: self.ranks.fail(AGENT, reason), self._on_phase
         )
+        self.unusable: UnusablePython | None = None
         self.open_peers: dict[int, Hello] = {}
         self.nodes_exited: dict[int, int | None] = {}
         self._nodes_seen: set[int] = set()
@@ -202,6 +206,11 @@ class RunCollector(channel.ChannelHandler):
             with self._lock:
                 self.nodes_exited[node] = code
             self._on_phase(events.NODE_EXITED, node=node, exit_code=code)
+        elif kind == UNUSABLE:
+            unusable = UnusablePython.decode(payload)
+            with self._lock:
+                self.unusable = self.unusable or unusable
+            self.ranks.fail(AGENT, f"{unusable.executable} on {unusable.host}: {unusable.reason}")
 
     def on_closed(self, peer: channel.Peer) -> None:
         hello = peer.hello
