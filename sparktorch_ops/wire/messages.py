@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Literal, TypeVar
@@ -59,12 +61,40 @@ def _check(value: Any, expected: Any, name: str, optional: bool = False) -> Any:
     return value
 
 
+_FIELD_TYPES: dict[type, dict[str, tuple[Any, bool]]] = {}
+
+
+def _field_types(cls: type) -> dict[str, tuple[Any, bool]]:
+    """Each field's JSON type and whether it may be null, read once from the class's
+    annotations (``int | None``: an int or null; ``dict[str, Any]``: an object; a
+    ``Literal``: its values' type)."""
+    known = _FIELD_TYPES.get(cls)
+    if known is not None:
+        return known
+    hints = typing.get_type_hints(cls)
+    found: dict[str, tuple[Any, bool]] = {}
+    for item in fields(cls):
+        hint = hints[item.name]
+        optional = typing.get_origin(hint) is types.UnionType and type(None) in typing.get_args(
+            hint
+        )
+        if optional:
+            (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        origin = typing.get_origin(hint)
+        if origin is Literal:
+            hint = type(typing.get_args(hint)[0])
+        elif origin is not None:
+            hint = origin
+        found[item.name] = (hint, optional)
+    _FIELD_TYPES[cls] = found
+    return found
+
+
 @dataclass(frozen=True)
 class Message:
     """Base of every typed message."""
 
     KIND: ClassVar[int] = 0
-    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {}
 
     def encode(self) -> bytes:
         """The frame payload: UTF-8 JSON."""
@@ -85,7 +115,7 @@ class Message:
             raise MessageError(f"{cls.__name__}: expected a JSON object")
         values: dict[str, Any] = {}
         for item in fields(cls):
-            expected, optional = cls._TYPES[item.name]
+            expected, optional = _field_types(cls)[item.name]
             if item.name not in record:
                 if optional:
                     values[item.name] = None
@@ -115,17 +145,6 @@ class Hello:
     attempt: int = 0
     pid: int = 0
 
-    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {
-        "role": (str, False),
-        "rank": (int, True),
-        "local_rank": (int, True),
-        "group_rank": (int, True),
-        "node": (int, True),
-        "host": (str, False),
-        "attempt": (int, False),
-        "pid": (int, False),
-    }
-
     def to_dict(self) -> dict[str, Any]:
         """The fields as a dict (what goes into the HELLO frame besides the credentials)."""
         return asdict(self)
@@ -141,7 +160,7 @@ class Hello:
         if not isinstance(record, dict):
             raise MessageError("Hello: expected a JSON object")
         values: dict[str, Any] = {}
-        for name, (expected, optional) in cls._TYPES.items():
+        for name, (expected, optional) in _field_types(cls).items():
             if name in record:
                 values[name] = _check(record[name], expected, f"Hello.{name}", optional)
         if "role" not in values:
@@ -175,14 +194,6 @@ class MetricReport(Message):
     # Sent again from a resumed checkpoint (an earlier try reported it).
     replayed: bool | None = None
 
-    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {
-        "step": (int, False),
-        "time": (float, False),
-        "values": (dict, False),
-        "progress": (float, True),
-        "replayed": (bool, True),
-    }
-
     def validate(self) -> None:
         """Values are JSON scalars; progress in [0, 1]."""
         if self.progress is not None and not 0.0 <= self.progress <= 1.0:
@@ -201,8 +212,6 @@ class Notice(Message):
     level: int
     text: str
 
-    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {"level": (int, False), "text": (str, False)}
-
     def validate(self) -> None:
         """A level of the standard library's logging (DEBUG to CRITICAL)."""
         if self.level not in (10, 20, 30, 40, 50):
@@ -218,12 +227,6 @@ class UnusablePython(Message):
     host: str
     reason: str
 
-    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {
-        "executable": (str, False),
-        "host": (str, False),
-        "reason": (str, False),
-    }
-
 
 @dataclass(frozen=True)
 class ExitReport(Message):
@@ -233,12 +236,6 @@ class ExitReport(Message):
     exit_code: int | None
     signal: str | None = None
     time: float = 0.0
-
-    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {
-        "exit_code": (int, True),
-        "signal": (str, True),
-        "time": (float, False),
-    }
 
 
 @dataclass(frozen=True)
@@ -251,13 +248,6 @@ class FailureReport(Message):
     traceback: str = ""
     time: float = 0.0
 
-    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {
-        "type": (str, False),
-        "message": (str, False),
-        "traceback": (str, False),
-        "time": (float, False),
-    }
-
 
 @dataclass(frozen=True)
 class ResultEnd(Message):
@@ -265,8 +255,6 @@ class ResultEnd(Message):
 
     KIND: ClassVar[int] = RESULT_END
     size: int
-
-    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {"size": (int, False)}
 
 
 @dataclass(frozen=True)
@@ -276,11 +264,6 @@ class RendezvousPort(Message):
     KIND: ClassVar[int] = RDZV
     port: int | None = None
     error: str | None = None
-
-    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {
-        "port": (int, True),
-        "error": (str, True),
-    }
 
     def validate(self) -> None:
         """Exactly one of port (1-65535) and error."""
@@ -297,8 +280,6 @@ class ShardSizes(Message):
     KIND: ClassVar[int] = SHARDS
     rows: list[int] = field(default_factory=list)
 
-    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {"rows": (list, False)}
-
     def validate(self) -> None:
         """Non-negative integers, at least one."""
         if not self.rows or not all(
@@ -314,11 +295,6 @@ class DataLayout(Message):
     KIND: ClassVar[int] = DATA
     epoch_rows: int | None = None
     error: str | None = None
-
-    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {
-        "epoch_rows": (int, True),
-        "error": (str, True),
-    }
 
     def validate(self) -> None:
         """Exactly one of a positive epoch_rows and error."""
@@ -348,8 +324,6 @@ class StackRequest(Message):
     KIND: ClassVar[int] = STACK_REQUEST
     request: int
 
-    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {"request": (int, False)}
-
 
 #: How a rank's stacks were taken: by its helper thread, by faulthandler on a signal (the
 #: helper could not run), or not at all (the rank did not answer).
@@ -367,13 +341,6 @@ class RankStacks(Message):
     where: str
     source: str
 
-    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {
-        "request": (int, False),
-        "text": (str, False),
-        "where": (str, False),
-        "source": (str, False),
-    }
-
     def validate(self) -> None:
         """A known source."""
         if self.source not in STACK_SOURCES:
@@ -388,8 +355,6 @@ class Arrived(Message):
 
     KIND: ClassVar[int] = ARRIVED
     node: int
-
-    _TYPES: ClassVar[dict[str, tuple[Any, bool]]] = {"node": (int, False)}
 
 
 @dataclass(frozen=True)
