@@ -48,6 +48,8 @@ class TorchDistributor:
         spark: Any = None,
         env: Mapping[str, str] | None = None,
         max_restarts: int = 0,
+        max_failures: int = 0,
+        min_processes: int | None = None,
         torchrun_args: Iterable[str] | None = None,
         logger: Any = None,
         on_metrics: Callable[[MetricRecord], None] | None = None,

@@ -123,13 +123,24 @@ class TrainingFailedError(SparkTorchError):
     """One or more ranks failed.
 
     Attributes:
-        failures: every failed rank, the root cause first.
+        failures: every failed rank of the last attempt, the root cause first.
+        attempts: every attempt of the run (``max_failures``), the failed last one included;
+            empty when the run failed before its first attempt started.
     """
 
-    def __init__(self, failures: Sequence[RankFailure], note: str = "") -> None:
+    def __init__(
+        self, failures: Sequence[RankFailure], note: str = "", attempts: Sequence[Any] = ()
+    ) -> None:
         self.failures = list(failures)
         self.note = note
+        self.attempts = list(attempts)
         super().__init__(self._describe())
+
+    def with_attempts(self, attempts: Sequence[Any]) -> TrainingFailedError:
+        """This error, now saying every attempt of the run (its message lists their causes)."""
+        self.attempts = list(attempts)
+        self.args = (self._describe(),)
+        return self
 
     @property
     def first_failure(self) -> RankFailure | None:
@@ -155,10 +166,19 @@ class TrainingFailedError(SparkTorchError):
         if self.collateral:
             others = ", ".join(f"{f.who} ({f.describe()})" for f in self.collateral)
             lines.append(f"collateral: {others}")
+        lines.extend(self._attempt_lines())
         return "\n".join(lines)
 
+    def _attempt_lines(self) -> list[str]:
+        if len(self.attempts) < 2:
+            return []
+        return [
+            f"the run made {len(self.attempts)} attempts:",
+            *(f"  {attempt.describe()}" for attempt in self.attempts),
+        ]
+
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.failures, self.note))
+        return (type(self), (self.failures, self.note, self.attempts))
 
 
 class TrainingStalledError(TrainingFailedError):
@@ -179,11 +199,12 @@ class TrainingStalledError(TrainingFailedError):
         stall_timeout: float,
         silent_for: Mapping[int, float],
         stacks: Mapping[int, str],
+        attempts: Sequence[Any] = (),
     ) -> None:
         self.stall_timeout = stall_timeout
         self.silent_for = dict(silent_for)
         self.stacks = dict(stacks)
-        super().__init__(failures)
+        super().__init__(failures, attempts=attempts)
 
     _STACK_LINES = 40  # per rank in the message; ``stacks`` has them all
 
@@ -202,10 +223,14 @@ class TrainingStalledError(TrainingFailedError):
         lines.append(
             "Raise stall_timeout if a step may legitimately run that long without a report()."
         )
+        lines.extend(self._attempt_lines())
         return "\n".join(lines)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.failures, self.stall_timeout, self.silent_for, self.stacks))
+        return (
+            type(self),
+            (self.failures, self.stall_timeout, self.silent_for, self.stacks, self.attempts),
+        )
 
 
 class _TimeoutBase(SparkTorchError, TimeoutError):

@@ -41,7 +41,7 @@ _NEXT: dict[RunState, frozenset[RunState]] = {
     RunState.PENDING: frozenset({RunState.PREPARING}),
     RunState.PREPARING: frozenset({RunState.STARTING}),
     RunState.STARTING: frozenset({RunState.RUNNING, RunState.FINISHING}),
-    RunState.RUNNING: frozenset({RunState.FINISHING}),
+    RunState.RUNNING: frozenset({RunState.FINISHING, RunState.STARTING}),  # STARTING: an attempt
     RunState.FINISHING: _FINAL,
 }
 
@@ -52,6 +52,8 @@ SLOTS_READY = "slots_ready"
 CHANNEL_OPEN = "channel_open"
 INPUT_CHECKED = "input_checked"  # the DataFrame input was checked: rows, columns
 DATA_READY = "data_ready"  # every rank has its DataFrame shard (DataFrame input)
+ATTEMPT_STARTED = "attempt_started"  # attempt, ranks (max_failures: each attempt's launch)
+ATTEMPT_FAILED = "attempt_failed"  # attempt, cause, host, retried
 PLANNED = "planned"
 LAUNCHER_STARTED = "launcher_started"
 NODE_CONNECTED = "node_connected"

@@ -140,8 +140,8 @@ def build_job(
 ) -> TrainingJob:
     """A job from an orchestrator's parameters, after templating.
 
-    The one place where rendered template strings are coerced: ``num_processes`` and
-    ``max_restarts`` given as ``"2"``, a script path with blanks around it, ``env`` values that
+    The one place where rendered template strings are coerced: ``num_processes`` (and the
+    other counts) given as ``"2"``, a script path with blanks around it, ``env`` values that
     are numbers, and a templated option that renders to an empty string (unset: None).
     Everything else is the job's own validation; errors name the wrapper's
     parameter (``train``, ``train_args``, ``train_kwargs``, ...).
@@ -161,13 +161,20 @@ def build_job(
     """
     if isinstance(train, str):
         train = train.strip()
-    for name in ("num_processes", "max_restarts", "max_result_bytes", "max_local_processes"):
-        if name in options:
-            options[name] = coerce_int(name, options[name])
     for option in launch_options.OPTIONS:  # a template that renders to nothing means "unset"
         value = options.get(option.name)
         if option.templated and isinstance(value, str) and not value.strip():
             options[option.name] = None
+    for name in (
+        "num_processes",
+        "min_processes",
+        "max_restarts",
+        "max_failures",
+        "max_result_bytes",
+        "max_local_processes",
+    ):
+        if name in options:
+            options[name] = coerce_int(name, options[name])
     env = options.get("env")
     if isinstance(env, Mapping):  # rendered numbers become strings; None stays an error
         options["env"] = {

@@ -116,6 +116,24 @@ OPTIONS: tuple[Option, ...] = (
         flag=Flag("--max-restarts", {"type": int}),
     ),
     Option(
+        "max_failures",
+        "new attempts of the whole run, within the same call, after an attempt that an "
+        "infrastructure failure ended (an executor, host or agent lost, a rank killed by a "
+        "signal): each a fresh barrier stage that resumes from the latest checkpoint. A "
+        "Python exception in the training, a cancel or a timeout is never retried.",
+        0,
+        flag=Flag("--max-failures", {"type": int}),
+    ),
+    Option(
+        "min_processes",
+        "barrier mode: the fewest ranks an attempt may run with when the cluster lacks the "
+        "slots for ``num_processes`` (after ``start_timeout``); it then runs with as many as "
+        "fit (default: ``num_processes``, never fewer).",
+        None,
+        templated=True,
+        flag=Flag("--min-processes", {"type": int}),
+    ),
+    Option(
         "torchrun_args",
         "further torchrun options (not those the distributor sets itself).",
         None,

@@ -104,6 +104,52 @@ class MetricRecord:
 
 
 @dataclass(frozen=True)
+class Attempt:
+    """One attempt of a run: one launch of every rank (a barrier stage in barrier mode).
+
+    A run makes a new attempt, within the same call, after one that an infrastructure failure
+    ended (``max_failures``); each resumes from the latest checkpoint.
+
+    Attributes:
+        number: 1 for the first.
+        num_processes: the ranks it ran with (fewer than asked when the cluster had lost
+            slots, down to ``min_processes``).
+        started_at: when it started (seconds since the epoch).
+        seconds: how long it took.
+        resumed_from: the checkpoint step its ranks found to resume from (None: none).
+        cause: why it ended, when it failed (None: it succeeded).
+        host: where that happened, when known.
+    """
+
+    number: int
+    num_processes: int
+    started_at: float
+    seconds: float
+    resumed_from: int | None = None
+    cause: str | None = None
+    host: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict of the attempt."""
+        return {
+            "number": self.number,
+            "num_processes": self.num_processes,
+            "started_at": self.started_at,
+            "seconds": round(self.seconds, 3),
+            "resumed_from": self.resumed_from,
+            "cause": self.cause,
+            "host": self.host,
+        }
+
+    def describe(self) -> str:
+        """``attempt 1 (2 ranks, 12.3 s): <cause>`` (``succeeded`` when it did)."""
+        return (
+            f"attempt {self.number} ({self.num_processes} ranks, {self.seconds:.1f} s): "
+            f"{self.cause or 'succeeded'}"
+        )
+
+
+@dataclass(frozen=True)
 class RunResult:
     """The outcome of a successful :meth:`TorchDistributor.launch`.
 
@@ -131,6 +177,8 @@ class RunResult:
         mlflow_run_url: that run's page in the MLflow UI (an MLflow server's tracking URI).
         training_id: the durable training this run is a try of (an orchestrator's retries of
             one task share it; None outside one).
+        attempts: every attempt of the run, the last the one that succeeded (one, unless
+            ``max_failures`` let a failed attempt be followed by another).
     """
 
     value: Any
@@ -151,6 +199,7 @@ class RunResult:
     mlflow_run_id: str | None = None
     mlflow_run_url: str | None = None
     training_id: str | None = None
+    attempts: tuple[Attempt, ...] = ()
 
     @property
     def duration(self) -> pendulum.Duration:
@@ -177,7 +226,8 @@ class RunResult:
         rank, as strings), ``started_at``, ``finished_at`` (ISO 8601), and
         ``output_truncated`` when a script's output was cut, ``metrics_dropped`` when old
         metric records were dropped, ``input`` (rows, columns, source) with DataFrame input,
-        ``training_id`` for a try of a durable training.
+        ``training_id`` for a try of a durable training, ``attempts`` (each attempt's ranks,
+        seconds, resumed-from step and cause) when there was more than one.
         """
         summary: dict[str, Any] = {
             "metrics": {k: json_scalar(v) for k, v in self.final_metrics(0).items()},
@@ -205,6 +255,8 @@ class RunResult:
             summary["mlflow_run_url"] = self.mlflow_run_url
         if self.training_id is not None:
             summary["training_id"] = self.training_id
+        if len(self.attempts) > 1:
+            summary["attempts"] = [attempt.to_dict() for attempt in self.attempts]
         return summary
 
 

@@ -287,6 +287,8 @@ class LaunchSpec:
     use_gpu: bool = True
     env: Mapping[str, str] = field(default_factory=dict)
     max_restarts: int = 0
+    max_failures: int = 0
+    min_processes: int | None = None
     torchrun_args: tuple[str, ...] = ()
     start_timeout: float | None = None
     timeout: float | None = None
@@ -312,6 +314,15 @@ class LaunchSpec:
         _require_bool("local_mode", self.local_mode)
         _require_bool("use_gpu", self.use_gpu)
         _require_int("max_restarts", self.max_restarts, 0)
+        _require_int("max_failures", self.max_failures, 0)
+        if self.min_processes is not None:
+            _require_int("min_processes", self.min_processes, 1)
+            if self.min_processes > self.num_processes:
+                raise ConfigError(
+                    "min_processes",
+                    f"{self.min_processes} is more than num_processes={self.num_processes}: "
+                    "an attempt never runs with more ranks than num_processes",
+                )
         _require_bool("allow_unencrypted_channel", self.allow_unencrypted_channel)
         _require_int("max_result_bytes", self.max_result_bytes, 1)
         if self.max_local_processes is not None:
@@ -355,6 +366,11 @@ class LaunchSpec:
                 "must be a logging.Logger, a LoggerAdapter or any object with a "
                 f"log(level, msg, *args) method (structlog's, Airflow's), got {self.logger!r}",
             )
+
+    @property
+    def fewest_processes(self) -> int:
+        """The fewest ranks an attempt may run with (``min_processes``, else all of them)."""
+        return self.num_processes if self.min_processes is None else self.min_processes
 
     @property
     def tracked(self) -> bool:

@@ -135,6 +135,8 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
         spark_conf: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         max_restarts: int = 0,
+        max_failures: int = 0,
+        min_processes: int | str | None = None,
         timeout: float | datetime.timedelta | None = None,
         start_timeout: float | datetime.timedelta | None = None,
         stall_timeout: float | datetime.timedelta | None = None,

@@ -216,6 +216,31 @@ def registration_grace(in_process_master: bool, app_age_s: float, waiting_time_s
     return max(0.0, waiting_time_s - app_age_s)
 
 
+def tasks_that_fit(
+    required_tasks: int, fewest_tasks: int, slots: int, *, waited: bool, wait_s: float | None
+) -> int:
+    """How many barrier tasks an attempt runs with on ``slots`` slots: all it needs when they
+    fit, else as many as fit when that is at least ``fewest_tasks`` (``min_processes``).
+
+    Raises:
+        ResourceError: fewer fit (naming ``num_processes``, and ``min_processes`` when the run
+            may shrink).
+    """
+    if slots >= required_tasks:
+        return required_tasks
+    if fewest_tasks >= required_tasks:
+        check_slots(required_tasks, slots, waited=waited)
+    if slots >= fewest_tasks:
+        return slots
+    waited_for = f" after waiting {wait_s:g} s" if wait_s else ""
+    raise ResourceError(
+        "min_processes",
+        f"the cluster has {slots} barrier task slots{waited_for}, fewer than the "
+        f"{fewest_tasks} that min_processes needs (num_processes asks for {required_tasks}); "
+        "lower min_processes, add executors, or raise start_timeout to wait longer for them",
+    )
+
+
 def check_slots(required_tasks: int, available_slots: int, *, waited: bool) -> None:
     """Fail before launch when the cluster has fewer barrier slots than tasks.
 

@@ -32,11 +32,14 @@ class Prepared:
             None in local mode.
         local_gpus: local mode with ``use_gpu``: the GPUs the ranks get, one each.
         data: the job's DataFrame input, resolved and checked (None without one).
+        num_processes: the ranks the first attempt runs with (``num_processes``, or fewer
+            down to ``min_processes`` where the cluster lacks the slots).
     """
 
     sc: Any
     local_gpus: tuple[str, ...] | None
     data: PreparedInput | None
+    num_processes: int
 
 
 def _machine_gpu_count() -> int:
@@ -107,18 +110,18 @@ def prepare(
                     "local_mode=True (the ranks run on this machine); pass local_mode=False "
                     "to train on the Spark cluster"
                 )
-            yield Prepared(None, _local_gpus(job), None)
+            yield Prepared(None, _local_gpus(job), None, spec.num_processes)
         elif job.data.dataframe is not None:
             # The DataFrame's own session streams it to the driver.
             session = job.data.dataframe.sparkSession
             with spark_support.jobs_of_run(session, run_id, log):
                 data = checked_input(session)
-                yield Prepared(None, _local_gpus(job), data)
+                yield Prepared(None, _local_gpus(job), data, spec.num_processes)
         else:
             # SQL, a table or a path: a session from the job's settings reads it.
             with _session(job, run_id, log) as handle:
                 data = checked_input(handle.session)
-                yield Prepared(None, _local_gpus(job), data)
+                yield Prepared(None, _local_gpus(job), data, spec.num_processes)
         return
     with _session(job, run_id, log) as handle:
         session = handle.session
@@ -133,9 +136,33 @@ def prepare(
             connect=connect,
         )
         check_cancelled()
+        processes = spec.num_processes
         if connect:
             preflight.check_barrier_over_connect(session, spec, machine.emit)
         else:
-            preflight.check_barrier(sc, spec, lambda: job.cancel_token.cancelled, machine.emit, log)
+            processes = preflight.check_barrier(
+                sc, spec, lambda: job.cancel_token.cancelled, machine.emit, log
+            )
             check_cancelled()
-        yield Prepared(sc, None, checked_input(session))
+        yield Prepared(sc, None, checked_input(session), processes)
+
+
+def next_attempt_processes(
+    job: TrainingJob, prepared: Prepared, machine: RunStateMachine, log: logging.Logger
+) -> int:
+    """The ranks the next attempt runs with: on a classic session, once the cluster has the
+    slots again (lost executors replaced, waiting as ``start_timeout`` says) or, where it has
+    fewer, as many as fit down to ``min_processes``; elsewhere ``num_processes`` (local mode;
+    over Spark Connect, whose client cannot count the cluster's slots, the start deadline
+    covers the wait)."""
+    spec = job.options
+    if prepared.sc is None or spark_support.is_connect_session(prepared.sc):
+        return spec.num_processes
+    return preflight.check_barrier(
+        prepared.sc,
+        spec,
+        lambda: job.cancel_token.cancelled,
+        machine.emit,
+        log,
+        replacing=True,
+    )

@@ -22,11 +22,18 @@ def latest_step(directory: str, log: logging.Logger) -> int | None:
         return None
 
 
+def latest(spec: LaunchSpec, log: logging.Logger) -> int | None:
+    """The run's latest complete checkpoint, as the driver sees it (None without
+    ``checkpoint_dir``)."""
+    directory = spec.checkpoint_dir
+    return latest_step(directory, log) if directory is not None else None
+
+
 def announce(spec: LaunchSpec, log: logging.Logger, mlflow_run_id: str | None = None) -> int | None:
     """Say whether the ranks will resume, warm start or start fresh, and what this try of a
     durable training does (``mlflow_run_id``: its MLflow run); the step resumed."""
     directory = spec.checkpoint_dir
-    step = latest_step(directory, log) if directory is not None else None
+    step = latest(spec, log)
     if spec.training is not None:
         log.info(try_line(spec.training, step, mlflow_run_id))
     if directory is None:

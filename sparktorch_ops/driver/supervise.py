@@ -35,9 +35,11 @@ class Supervisor:
         spec: the run's options (its limits).
         run_id: for log lines.
         launched: the started run.
-        started: ``time.monotonic()`` when the run began (the limits count from there).
+        started: ``time.monotonic()`` when the run began (``timeout`` counts from there).
         check_cancelled: raises TrainingCancelledError once the run is cancelled.
         log: the run's logger.
+        attempt_started: when this attempt began (``start_timeout`` counts from there; by
+            default the run's start).
     """
 
     spec: LaunchSpec
@@ -46,6 +48,7 @@ class Supervisor:
     started: float
     check_cancelled: Callable[[], None]
     log: logging.Logger
+    attempt_started: float | None = None
 
     def stacks(self, log: bool = False) -> dict[int, str]:
         """Every rank's stacks now, by rank (see :func:`capture_stacks`); safe from any thread."""
@@ -92,14 +95,15 @@ class Supervisor:
             start_deadline = launcher.default_start_timeout
         while True:
             self.check_cancelled()
-            elapsed = time.monotonic() - self.started
+            now = time.monotonic()
+            elapsed = now - self.started
             if spec.timeout is not None and elapsed > spec.timeout:
                 raise errors.TrainingTimeoutError("timeout", spec.timeout)
             connected = collector.ranks.started()
             if (
                 connected < spec.num_processes
                 and start_deadline is not None
-                and elapsed > start_deadline
+                and now - (self.attempt_started or self.started) > start_deadline
                 and not launcher.stage_started
             ):
                 raise errors.StartTimeoutError(

@@ -37,7 +37,10 @@ from typing import Any
 
 from sparktorch_ops.driver.durable import TRAINING_ID_TAG, TRIES_TAG
 from sparktorch_ops.errors import ConfigError
-from sparktorch_ops.events import SESSION_READY
+from sparktorch_ops.events import ATTEMPT_STARTED, SESSION_READY
+
+#: The attempts a run made (``max_failures``), set once a second one starts.
+ATTEMPTS_TAG = "sparktorch_ops.attempts"
 
 _PARAM_VALUE_LIMIT = 6000  # MLflow's limit on a param value
 _BATCH_LIMIT = 1000  # MLflow's limit on metrics per log_batch
@@ -129,6 +132,11 @@ class MlflowTracker:
         # run, which takes no replayed records (they belong to another run's curve).
         self._logged: dict[str, set[int]] | None = None
         self.replayed_logged = 0  # replayed metrics the run lacked, logged by this try
+        # The steps this tracker logged, by metric (its sender thread's), and a copy of them as
+        # a later attempt started: that attempt trains again from its checkpoint, and a step
+        # it reports again is not logged twice.
+        self._sent: dict[str, set[int]] = {}
+        self._before_attempt: dict[str, set[int]] = {}
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._started = 0.0
@@ -243,7 +251,12 @@ class MlflowTracker:
                 self._queue.put(("tag", key, str(value)))
 
     def on_event(self, event: Any) -> None:
-        """A phase event of the run: the session's, once ready, tags the run."""
+        """A phase event of the run: the session's, once ready, tags the run; a later
+        attempt's start tags it with the attempts so far."""
+        number = event.detail.get("attempt", 1) if event.name == ATTEMPT_STARTED else 1
+        if number > 1:
+            self.set_tags({ATTEMPTS_TAG: number})
+            self._queue.put(("attempt",))
         if event.name == SESSION_READY:
             self.set_tags(
                 {
@@ -312,6 +325,8 @@ class MlflowTracker:
                     done = True
                 elif item[0] == "tag":
                     self._call(self.client.set_tag, self.run_id, item[1], item[2])
+                elif item[0] == "attempt":
+                    self._before_attempt = {k: set(v) for k, v in self._sent.items()}
                 else:
                     metrics.extend(self._metrics_of(*item))
             for start in range(0, len(metrics), _BATCH_LIMIT):
@@ -337,10 +352,15 @@ class MlflowTracker:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue  # MLflow metrics are numbers
             name = f"{key}{suffix}"
-            if self._logged is not None and record.replayed:
-                if record.step in self._logged.get(name, ()):
+            sent = self._sent.setdefault(name, set())
+            if record.replayed:
+                assert self._logged is not None
+                if record.step in self._logged.get(name, ()) or record.step in sent:
                     continue
                 self.replayed_logged += 1
+            elif record.step in self._before_attempt.get(name, ()):
+                continue
+            sent.add(record.step)
             metrics.append(Metric(name, float(value), int(record.time * 1000), record.step))
         return metrics
 

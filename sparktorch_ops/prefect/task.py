@@ -56,6 +56,8 @@ def run_torch_distributor(
     cluster: SparkCluster | str | None = None,
     env: Mapping[str, str] | None = None,
     max_restarts: int = 0,
+    max_failures: int = 0,
+    min_processes: int | None = None,
     torchrun_args: Sequence[str] | None = None,
     timeout: float | datetime.timedelta | None = None,
     start_timeout: float | datetime.timedelta | None = None,

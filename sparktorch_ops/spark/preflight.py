@@ -15,7 +15,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sparktorch_ops import events
-from sparktorch_ops.driver.planning import barrier_layout, check_slots, registration_grace
+from sparktorch_ops.driver.planning import (
+    barrier_layout,
+    check_slots,
+    registration_grace,
+    tasks_that_fit,
+)
 from sparktorch_ops.errors import ConfigError, StartTimeoutError
 from sparktorch_ops.spark.session import conf_true, conf_value, parse_master, task_gpu_amount
 from sparktorch_ops.spec import LaunchSpec
@@ -27,22 +32,40 @@ if TYPE_CHECKING:
 PYTHON_SETTING = "PYSPARK_PYTHON (or spark.pyspark.python)"
 
 
+#: How long a later attempt waits for lost executors to be replaced when the run sets no
+#: start_timeout (a standalone or YARN cluster relaunches one within seconds).
+REPLACEMENT_WAIT_S = 60.0
+
+
 def check_barrier(
     sc: SparkContext,
     spec: LaunchSpec,
     cancelled: Callable[[], bool],
     emit: Callable[..., None],
     log: Any,
-) -> None:
+    *,
+    replacing: bool = False,
+) -> int:
     """Barrier mode on a classic session: settings, layout and slots (waiting as
-    :func:`wait_for_slots` does). The executors' Python is checked by the run's own barrier
-    tasks (:func:`unusable_python`, :func:`other_python_version`)."""
+    :func:`wait_for_slots` does); the ranks the attempt runs with: ``num_processes``, or as
+    many as fit down to ``min_processes``. ``replacing``: a later attempt, which waits for lost
+    executors to be replaced. The executors' Python is checked by the run's own barrier tasks
+    (:func:`unusable_python`, :func:`other_python_version`)."""
     check_barrier_conf(sc)
     layout = barrier_layout(spec.num_processes, spec.use_gpu, task_gpu_amount(sc))
-    wait_for_slots(sc, layout.num_tasks, spec.start_timeout, cancelled, log)
-    if cancelled():
-        return
-    emit(events.SLOTS_READY, tasks=layout.num_tasks)
+    per_task = layout.ranks_per_task
+    tasks = wait_for_slots(
+        sc,
+        layout.num_tasks,
+        spec.start_timeout,
+        cancelled,
+        log,
+        fewest_tasks=-(-spec.fewest_processes // per_task),
+        replacing=replacing,
+    )
+    if not cancelled():
+        emit(events.SLOTS_READY, tasks=tasks)
+    return tasks * per_task
 
 
 def check_connect_client(pyspark_version: str) -> None:
@@ -166,46 +189,65 @@ def wait_for_slots(
     start_timeout: float | None,
     cancelled: Callable[[], bool],
     log: Any = None,
-) -> None:
-    """Wait until the cluster has ``required_tasks`` barrier slots free, or fail before launch.
+    *,
+    fewest_tasks: int | None = None,
+    replacing: bool = False,
+) -> int:
+    """Wait until the cluster has ``required_tasks`` barrier slots free, or fail before launch;
+    the tasks to run (fewer when only down to ``fewest_tasks`` fit).
 
     First the cluster must have that many slots at all. Without ``start_timeout`` a run waits
     for them only while a just-started application's executors may still be registering
-    (Spark's own start-up wait, cut short once every executor Spark expects is there); with
-    it, up to ``start_timeout``. Then, while other jobs of the application hold slots (another
-    run's barrier stage, say), the run waits for enough of them to free up (saying so once at
-    INFO): up to ``start_timeout``, without it until they do. ``cancelled`` ends either wait.
+    (Spark's own start-up wait, cut short once every executor Spark expects is there), and a
+    later attempt (``replacing``) up to :data:`REPLACEMENT_WAIT_S` for lost ones to be
+    replaced; with it, up to ``start_timeout``. When the wait ends short of slots, a run that
+    may shrink takes as many as there are. Then, while other jobs of the application hold
+    slots (another run's barrier stage, say), the run waits for enough of them to free up
+    (saying so once at INFO): up to ``start_timeout``, without it until they do.
+    ``cancelled`` ends either wait.
 
     Raises:
-        ResourceError: too few slots in the cluster and no start_timeout.
+        ResourceError: too few slots in the cluster (naming ``min_processes`` when the run
+            may shrink) and no start_timeout.
         StartTimeoutError: still too few (or too few free) when start_timeout ran out.
     """
+    fewest = required_tasks if fewest_tasks is None else fewest_tasks
     started = time.monotonic()
-    if start_timeout is None:
-        wait_s = _registration_grace_s(sc)
-        expected = expected_executors(sc.master or "", conf_value(sc, "spark.executor.instances"))
-    else:
+    expected = expected_executors(sc.master or "", conf_value(sc, "spark.executor.instances"))
+    if start_timeout is not None:
         wait_s, expected = start_timeout, None
+    elif replacing:
+        wait_s = REPLACEMENT_WAIT_S
+    else:
+        wait_s = _registration_grace_s(sc)
     deadline = started + wait_s
     while True:
         # Registration first: the slots read after it count every executor it saw.
         everyone_registered = expected is not None and len(_executor_ids(sc)) >= expected
         slots = available_slots(sc)
         if cancelled():
-            return
+            return required_tasks
         if slots >= required_tasks:
+            tasks = required_tasks
             break
         if everyone_registered or time.monotonic() >= deadline:
-            if start_timeout is not None:
+            if start_timeout is not None and slots < fewest:
                 raise StartTimeoutError(
                     "start_timeout",
                     start_timeout,
-                    f"the run needs {required_tasks} barrier task slots but only {slots} "
-                    "registered",
+                    f"the run needs {fewest} barrier task slots but only {slots} registered",
                 )
-            check_slots(required_tasks, slots, waited=False)
+            tasks = tasks_that_fit(
+                required_tasks,
+                fewest,
+                slots,
+                waited=replacing,
+                wait_s=wait_s if replacing else None,
+            )
+            break
         time.sleep(_SLOT_POLL_S)
-    _wait_for_free_slots(sc, required_tasks, started, start_timeout, cancelled, log)
+    _wait_for_free_slots(sc, tasks, started, start_timeout, cancelled, log)
+    return tasks
 
 
 _SLOT_POLL_S = 0.25

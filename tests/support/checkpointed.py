@@ -46,3 +46,53 @@ def steps_with_one_failure(steps: int, marker: str) -> dict[str, Any]:
             raise RuntimeError("the first try dies after step 1's checkpoint")
 
     return checkpointed_steps(steps, fail_once)
+
+
+def steps_killed_once(steps: int, directory: str, kill_after: int = 2) -> dict[str, Any]:
+    """:func:`checkpointed_steps` whose first attempt loses rank 1 to a SIGKILL (as from the
+    OOM killer) right after step ``kill_after``'s checkpoint. Each rank records its pid in
+    ``directory`` (``<attempt>.rank<N>``, attempt ``first`` or ``later``); a later attempt's
+    value adds the first attempt's ranks it still found alive when it started."""
+    import os
+    import signal
+    from pathlib import Path
+
+    folder, rank = Path(directory), int(os.environ["RANK"])
+    first = not (folder / "killed").exists()
+    (folder / f"{'first' if first else 'later'}.rank{rank}").write_text(str(os.getpid()))
+    alive = [] if first else [pid for pid in _pids(folder, "first") if _alive(pid)]
+
+    def kill_once(step: int) -> None:
+        if first and step == kill_after and rank == 1:
+            (folder / "killed").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return {**checkpointed_steps(steps, kill_once), "earlier_alive": alive}
+
+
+def killed_every_time(directory: str) -> None:
+    """Rank 1 SIGKILLs itself at once, in every attempt (counted in ``directory``)."""
+    import os
+    import signal
+    from pathlib import Path
+
+    if os.environ["RANK"] == "1":
+        count = len(list(Path(directory).glob("attempt*")))
+        Path(directory, f"attempt{count + 1}").write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    import time
+
+    time.sleep(60)  # rank 0 waits to be stopped
+
+
+def _pids(folder: Any, attempt: str) -> list[int]:
+    return [int(path.read_text()) for path in folder.glob(f"{attempt}.rank*")]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not reaped yet, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -139,6 +139,11 @@ class RankBook:
             )
         return failures
 
+    def lost_ranks(self) -> dict[int, str]:
+        """Ranks whose process vanished without an exit report: their hosts."""
+        with self._lock:
+            return {rank: s.host for rank, s in self.states.items() if rank >= 0 and s.lost}
+
     def lost_something(self) -> bool:
         """Whether a barrier task or a rank of the run vanished without saying how it ended."""
         with self._lock:

@@ -34,6 +34,13 @@ class MetricLog:
         self.records: deque[MetricRecord] = deque(maxlen=max_records)
         self.dropped = 0
 
+    def last_step(self, rank: int = 0) -> int | None:
+        """The step of ``rank``'s latest record reported live (not replayed), if any."""
+        for record in reversed(self.records):
+            if record.rank == rank and not record.replayed:
+                return record.step
+        return None
+
     def add(self, rank: int, report: MetricReport) -> None:
         """Keep ``rank``'s report and pass it to ``on_metrics``."""
         metric = MetricRecord(
