@@ -3,6 +3,7 @@
 #
 #   bash scripts/compat.sh [ROW...]          the core subset on each row (default: every row)
 #   bash scripts/compat.sh --all [ROW...]    the integration tier instead of the subset
+#   bash scripts/compat.sh --setup [ROW...]  only build (or reuse) each row's virtualenv
 #
 # Each row's virtualenv lives outside the clone (SPARKTORCH_COMPAT_CACHE, default
 # ~/.cache/sparktorch_ops/compat) and is rebuilt only when its pins change. Each row's result
@@ -13,10 +14,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 cache="${SPARKTORCH_COMPAT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/sparktorch_ops/compat}"
 selection=core
-if [ "${1:-}" = "--all" ]; then
-  selection=integration
-  shift
-fi
+case "${1:-}" in
+  --all) selection=integration; shift ;;
+  --setup) selection=none; shift ;;
+esac
 rows=("$@")
 if [ "${#rows[@]}" -eq 0 ]; then
   for file in requirements/compat/*.txt; do
@@ -90,6 +91,10 @@ for row in "${rows[@]}"; do
     continue
   fi
   built=$((SECONDS - started))
+  if [ "$selection" = none ]; then
+    echo "== compat row '$row': set up in $built s"
+    continue
+  fi
   if [ "$selection" = core ]; then
     tests=("${CORE[@]}")
   else
@@ -109,5 +114,5 @@ for row in "${rows[@]}"; do
   echo "== compat row '$row': $((SECONDS - started)) s (setup $built s), exit $row_status"
   [ "$row_status" = 0 ] || status=$row_status
 done
-python3 scripts/compat_table.py render
+[ "$selection" = none ] || python3 scripts/compat_table.py render
 exit "$status"

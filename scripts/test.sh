@@ -4,9 +4,10 @@
 #   bash scripts/test.sh               everything (what CI runs): ruff and the benchmark pages'
 #                                      check, then the integration and e2e tiers in one pytest
 #                                      (failing when it takes over 1,300 s),
-#                                      with mypy and the unit tier (pyspark/Airflow/Prefect/MLflow
-#                                      blocked) beside it on the other core; then the core subset
-#                                      on the oldest version row (scripts/compat.sh oldest)
+#                                      with mypy, the unit tier (pyspark/Airflow/Prefect/MLflow
+#                                      blocked) and the oldest version row's set-up beside it on
+#                                      the other core; then the core subset on that row
+#                                      (scripts/compat.sh oldest)
 #   bash scripts/test.sh -m unit       one selection only: the arguments go to pytest
 #   bash scripts/test.sh -m "not e2e"  (ruff, the pages' check and mypy run either way)
 #   bash scripts/test.sh --coverage [ARGS]   the same under coverage.py, rank and agent
@@ -87,17 +88,20 @@ status=0
 beside mypy mypy  # single-threaded, ~50 s from a clean clone
 if [ "$#" -eq 0 ]; then
   beside "unit tier (integrations blocked)" "${python[@]}" -m tests.support.blocked_unit_tier -q
+  # The oldest row's virtualenv (mostly downloads, once per pin change) builds meanwhile.
+  [ "$coverage" = 1 ] || beside "oldest version row, set up" bash scripts/compat.sh --setup oldest
   budget=()
   # The integration and e2e tiers' share of the 22-minute suite; under coverage, times mean
   # nothing. Over it, the run fails and lists its 25 slowest tests (tests/support/time_budget.py).
   [ "$coverage" = 1 ] || budget=(--time-budget=1300)
   step "integration and e2e tiers" "${python[@]}" -m pytest -ra --durations=25 "${budget[@]}" \
     -m "not unit" || status=$?
+  finish_beside || status=$?  # the row's set-up among them
   if [ "$coverage" = 0 ]; then
     step "oldest version row, core subset" bash scripts/compat.sh oldest || status=$?
   fi
 else
   step "pytest $*" "${python[@]}" -m pytest -ra --durations=25 "$@" || status=$?
+  finish_beside || status=$?
 fi
-finish_beside || status=$?
 exit "$status"

@@ -180,8 +180,10 @@ def test_cancel_from_a_sigterm_handler_on_the_main_thread(tmp_path: Path) -> Non
     assert_nothing_left(run_ids[0])
 
 
-def test_timeout_expiring(mode: str, spark: Any, tmp_path: Path) -> None:
-    run = Run(distributor(mode, spark, timeout=12), long_training, str(tmp_path))
+def test_timeout_expiring(spark: Any, tmp_path: Path) -> None:
+    """A timeout stops the run as a cancel does (the supervisor's, whichever the launcher:
+    local mode's teardown is the cancel tests'), saying where the ranks were."""
+    run = Run(distributor("barrier", spark, timeout=10), long_training, str(tmp_path))
     pids = wait_ready(tmp_path)
     run_id = run_id_of(pids[0])
     error = run.result()
@@ -194,9 +196,13 @@ def test_timeout_expiring(mode: str, spark: Any, tmp_path: Path) -> None:
 STALL_S = 5.0
 
 
-def test_a_stalled_run_fails_with_every_ranks_stack(mode: str, spark: Any, tmp_path: Path) -> None:
-    """Rank 1 sleeps in its data loading while rank 0 waits for it in an all-reduce."""
-    run = Run(distributor(mode, spark, stall_timeout=STALL_S), hang_in_collective, str(tmp_path))
+def test_a_stalled_run_fails_with_every_ranks_stack(spark: Any, tmp_path: Path) -> None:
+    """Rank 1 sleeps in its data loading while rank 0 waits for it in an all-reduce. (The
+    silences and stacks come over the channel, the same in either mode; a quiet local run is
+    test_a_heartbeat_keeps_a_quiet_run_from_stalling's.)"""
+    run = Run(
+        distributor("barrier", spark, stall_timeout=STALL_S), hang_in_collective, str(tmp_path)
+    )
     pids = wait_ready(tmp_path)
     run_id = run_id_of(pids[0])
     ready = time.monotonic()

@@ -70,6 +70,28 @@ out["executors"] = sorted(spark.sparkContext._jsc.sc().getExecutorMemoryStatus()
 frame = spark.range(1000, numPartitions=5).withColumn("x", (F.col("id") / 2).cast("float"))
 result = d.launch_on_dataframe(shard_ids, frame, 100)
 out["dataframe"] = {{"ranks": result.value, "input": result.input}}
+spark.stop()
+
+def trained():
+    import sparktorch_ops, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    return {{"sum": total.item(), "package": sparktorch_ops.__file__, "python": sys.executable}}
+
+# Then one application per executors' Python: torch and pyspark only, then a broken
+# sparktorch_ops installed as well.
+out["shipped"] = {{}}
+for name, python in {pythons!r}.items():
+    os.environ["PYSPARK_PYTHON"] = python  # the executors' Python of this application
+    spark = (SparkSession.builder.master({master!r}).config("spark.driver.host", "127.0.0.1")
+             .config("spark.executor.memory", "1g").getOrCreate())
+    try:
+        d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark)
+        out["shipped"][name] = d.run(trained)
+    finally:
+        spark.stop()
 emit(out)
 """
 
@@ -79,8 +101,17 @@ def standalone_runs(
     standalone_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[dict[str, Any], str, Path]:
     """One driver program on the standalone cluster, its runs checked by the tests below:
-    (what it emitted, its output, its directory)."""
+    (what it emitted, its output, its directory). Its last two applications run their
+    executors on interpreters with torch and pyspark only, then with a broken sparktorch_ops
+    installed as well (tests/support/worker_env.py)."""
+    from tests.support import worker_env
+
     tmp_path = tmp_path_factory.mktemp("standalone-driver")
+    coverage = worker_env.measuring_coverage()
+    pythons = {
+        "missing": worker_env.build(tmp_path / "missing", broken=False, coverage=coverage),
+        "broken": worker_env.build(tmp_path / "broken", broken=True, coverage=coverage),
+    }
     (tmp_path / "userlib").mkdir()
     (tmp_path / "userlib" / "helpers.py").write_text(
         "import os\n"
@@ -95,7 +126,10 @@ def standalone_runs(
         "    print('script', __file__ != sys.argv[0] or __file__, sys.argv[1:])\n"
     )
     program = STANDALONE_PROGRAM.format(
-        userlib=str(tmp_path / "userlib"), script=str(tmp_path / "only_on_driver.py")
+        userlib=str(tmp_path / "userlib"),
+        script=str(tmp_path / "only_on_driver.py"),
+        pythons=pythons,
+        master=standalone_cluster.master_url,
     )
     result, output = run_driver(
         tmp_path, SESSION.format(master=standalone_cluster.master_url) + program
@@ -115,52 +149,17 @@ def test_code_shipping_on_the_standalone_cluster(
     assert str(tmp_path) not in script_line  # ran from the shipped copy, not the driver's file
 
 
-SHIPPED_PACKAGE_PROGRAM = """
-import os, sys
-from pyspark.sql import SparkSession
-from sparktorch_ops import TorchDistributor
-
-def trained():
-    import sparktorch_ops, torch, torch.distributed as dist
-    dist.init_process_group("gloo")
-    total = torch.tensor([float(dist.get_rank() + 1)])
-    dist.all_reduce(total)
-    dist.destroy_process_group()
-    return {{"sum": total.item(), "package": sparktorch_ops.__file__, "python": sys.executable}}
-
-out = {{}}
-for name, python in {pythons!r}.items():
-    os.environ["PYSPARK_PYTHON"] = python  # the executors' Python of this application
-    spark = (SparkSession.builder.master({master!r}).config("spark.driver.host", "127.0.0.1")
-             .config("spark.executor.memory", "1g").getOrCreate())
-    try:
-        d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark)
-        out[name] = d.run(trained)
-    finally:
-        spark.stop()
-emit(out)
-"""
-
-
 def test_executors_with_torch_but_no_working_sparktorch_ops_train_with_the_drivers_copy(
-    standalone_cluster: Cluster, tmp_path: Path
+    standalone_runs: tuple[dict[str, Any], str, Path],
 ) -> None:
     """Workers whose Python has torch and pyspark only, then one with a broken sparktorch_ops
     installed: both train in barrier mode, agents and ranks on the executors' Python, importing
     the copy the driver shipped (unpacked in the application's files, not site-packages)."""
-    from tests.support import worker_env
-
-    coverage = worker_env.measuring_coverage()
-    pythons = {
-        "missing": worker_env.build(tmp_path / "missing", broken=False, coverage=coverage),
-        "broken": worker_env.build(tmp_path / "broken", broken=True, coverage=coverage),
-    }
-    program = SHIPPED_PACKAGE_PROGRAM.format(pythons=pythons, master=standalone_cluster.master_url)
-    result, output = run_driver(tmp_path, program)
-    for name, python in pythons.items():
-        ran = result[name]
+    result, output, tmp_path = standalone_runs
+    for name in ("missing", "broken"):
+        ran = result["shipped"][name]
         assert ran["sum"] == 3.0, output[-3000:]
-        assert ran["python"] == python  # the agent and ranks: the executors' own Python
+        assert ran["python"] == str(tmp_path / name / "bin" / "python")  # the executors' own
         shipped = Path(ran["package"]).parents[1]
         assert shipped.name.startswith("sparktorch_ops-") and "site-packages" not in str(shipped)
         assert (shipped / "sparktorch_ops" / "node" / "task.py").read_bytes() == (
@@ -426,11 +425,28 @@ def stop(spark):
         out.setdefault("stop_errors", []).append(repr(exc)[:300])
 
 out = {{}}
-# The first session starts the JVM: its settings become system properties that every later
-# session inherits, so it sets nothing the others must not have.
-spark = fresh_session()
+# One application serves every check: it is launched on at once (its executors still
+# registering), may wait 600 s for them (a run that can never fit must not), and has fake GPUs:
+# 2 per worker (each task takes both), 3 on the driver, CUDA_VISIBLE_DEVICES=3,4,5 preset on the
+# executors.
+spark = fresh_session(**{{
+    "spark.scheduler.maxRegisteredResourcesWaitingTime": "600s",
+    "spark.worker.resource.gpu.amount": "2",
+    "spark.worker.resource.gpu.discoveryScript": {worker_script!r},
+    "spark.executor.resource.gpu.amount": "2",
+    "spark.task.resource.gpu.amount": "2",
+    "spark.driver.resource.gpu.amount": "3",
+    "spark.driver.resource.gpu.discoveryScript": {driver_script!r},
+    "spark.executorEnv.CUDA_VISIBLE_DEVICES": "3,4,5",
+}})
 out["executors_at_launch"] = int(spark.sparkContext._jsc.sc().getExecutorIds().size())
 out["world"] = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark).run(world)
+started = time.monotonic()
+try:
+    TorchDistributor(num_processes=3, local_mode=False, use_gpu=False, spark=spark).run(world)
+except ResourceError as exc:
+    out["too_many"] = {{"argument": exc.argument, "error": str(exc),
+                       "seconds": time.monotonic() - started}}
 # pyspark's TorchDistributor leaves its group's variables in the Python worker its task ran in.
 # Trained on a DataFrame, its tasks and ours take their Python workers from the same pool: with
 # one core per executor, one worker each.
@@ -442,26 +458,6 @@ out["pyspark_ancestors"] = PysparkDistributor(
     num_processes=2, local_mode=False, use_gpu=False
 )._train_on_dataframe(pyspark_workers, rows)
 out["warm_after"] = ours.train_on_dataframe(warm_agents, rows)
-stop(spark)
-
-spark = fresh_session(**{{"spark.scheduler.maxRegisteredResourcesWaitingTime": "600s"}})
-started = time.monotonic()
-try:
-    TorchDistributor(num_processes=3, local_mode=False, use_gpu=False, spark=spark).run(world)
-except ResourceError as exc:
-    out["too_many"] = {{"argument": exc.argument, "error": str(exc),
-                       "seconds": time.monotonic() - started}}
-stop(spark)
-
-spark = fresh_session(**{{
-    "spark.worker.resource.gpu.amount": "2",
-    "spark.worker.resource.gpu.discoveryScript": {worker_script!r},
-    "spark.executor.resource.gpu.amount": "2",
-    "spark.task.resource.gpu.amount": "2",
-    "spark.driver.resource.gpu.amount": "3",
-    "spark.driver.resource.gpu.discoveryScript": {driver_script!r},
-    "spark.executorEnv.CUDA_VISIBLE_DEVICES": "3,4,5",
-}})
 gpus = out["gpus"] = {{}}
 gpus["barrier"] = TorchDistributor(
     num_processes=4, local_mode=False, use_gpu=True, spark=spark, start_timeout=120
@@ -483,9 +479,10 @@ stop(spark)
 
 @pytest.fixture(scope="module")
 def local_cluster_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
-    """One driver program, three ``local-cluster[2,1,1024]`` applications one after the other:
-    a fresh one and one that may wait 600 s for its executors (checked by the start-up test),
-    then one with fake GPU discovery scripts, 2 GPUs per worker and 3 on the driver."""
+    """One driver program, one ``local-cluster[2,1,1024]`` application for every check below:
+    launched on as soon as it is created, allowed to wait 600 s for its executors (checked by
+    the start-up test), with fake GPU discovery scripts, 2 GPUs per worker and 3 on the
+    driver."""
     tmp_path = tmp_path_factory.mktemp("local-cluster-driver")
     worker_script = tmp_path / "worker_gpus.sh"
     worker_script.write_text('#!/bin/bash\necho \'{"name": "gpu", "addresses": ["0", "1"]}\'\n')

@@ -229,14 +229,14 @@ def test_timeout_stops_the_ranks(connect: Any) -> None:
 
 
 def slow_start_then_value() -> int:
-    time.sleep(12)
+    time.sleep(8)
     return int(os.environ["WORLD_SIZE"])
 
 
 def test_relayed_ranks_are_not_a_start_timeout(connect: Any) -> None:
     """No rank reaches the channel, yet Connect's progress reports show the stage running:
     a start_timeout shorter than the training must not stop it."""
-    value = ranks_on(connect, "relayed", start_timeout=8).run(slow_start_then_value)
+    value = ranks_on(connect, "relayed", start_timeout=5).run(slow_start_then_value)
     assert value == 2
 
 

@@ -192,7 +192,7 @@ def test_a_retry_resumes_from_the_last_checkpoint_into_the_same_mlflow_run(
 def test_task_timeout_stops_the_training(call: str, tmp_path: Path) -> None:
     # Long enough for both ranks to start on a loaded 2-core machine, so the timeout
     # interrupts a training in progress (checked below through the ranks' marker files).
-    limited = run_torch_distributor.with_options(timeout_seconds=8)
+    limited = run_torch_distributor.with_options(timeout_seconds=6)
 
     @flow
     def too_long(marker_dir: str) -> None:
@@ -220,7 +220,7 @@ def test_task_timeout_stops_the_training(call: str, tmp_path: Path) -> None:
     where = [log.message for log in logs if " is in _sleep_forever (test_task.py:" in log.message]
     assert len(where) == 2 and all("time.sleep(600)" in message for message in where), where
     summary = flow_run_artifacts(state.state_details.flow_run_id)["run-torch-distributor-summary"]
-    assert ": timed out" in summary.data and "timeout_seconds=8" in summary.data
+    assert ": timed out" in summary.data and "timeout_seconds=6" in summary.data
 
 
 @pytest.mark.parametrize(
