@@ -58,6 +58,7 @@ DEFAULT_VARIANTS = (
     "ours_local_fn_cold",
     "ours_local_script_cold",
     "ours_barrier_fn",
+    "ours_barrier_fn_max_failures",
     "ours_barrier_fn_cold",
     "pyspark_local_fn",
     "pyspark_barrier_fn",
@@ -89,7 +90,7 @@ class Launchers:
         self.logger = common.quiet_logger()
         self.on_event: Callable[[Any], None] | None = None  # set for breakdown runs only
 
-    def ours(self, local_mode: bool) -> Any:
+    def ours(self, local_mode: bool, **options: Any) -> Any:
         from sparktorch_ops import TorchDistributor
 
         return TorchDistributor(
@@ -100,6 +101,7 @@ class Launchers:
             logger=self.logger,
             timeout=self.timeout,
             on_event=self.on_event,
+            **options,
         )
 
     def pyspark(self, local_mode: bool, call: Callable[[Any], Any]) -> Any:
@@ -160,6 +162,8 @@ class Launchers:
             return lambda: self.ours(True).run(script, *script_args)
         if name == "ours_barrier_fn":
             return lambda: self.ours(False).run(fn)
+        if name == "ours_barrier_fn_max_failures":  # what attempts cost a run that never fails
+            return lambda: self.ours(False, max_failures=2).run(fn)
         if name == "ours_barrier_script":
             return lambda: self.ours(False).run(script, *script_args)
         if name == "pyspark_local_fn":

@@ -37,6 +37,7 @@ E2E_FIXTURES = frozenset(
         "two_hosts",  # a standalone cluster across network namespaces
         "connect_server",  # a Spark Connect server
         "doomed_connect_server",  # the Connect server, for a test that kills it
+        "doomed_standalone_cluster",  # the standalone cluster, for a test that kills a worker
         "airflow_services",  # Airflow's scheduler, DAG processor and API server
         "prefect_runner",  # a Prefect runner serving deployments (flow.serve)
         "mlflow_server",  # an MLflow tracking server
@@ -77,8 +78,10 @@ def tier_of(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Tests that kill a shared service go last.
-    items.sort(key=lambda item: "doomed_connect_server" in getattr(item, "fixturenames", ()))
+    # Tests that kill (part of) a shared service go last.
+    items.sort(
+        key=lambda item: any(f.startswith("doomed_") for f in getattr(item, "fixturenames", ()))
+    )
     for item in items:
         tier = item.stash[TIER_KEY] = tier_of(item)
         if item.get_closest_marker(tier) is None:
@@ -166,6 +169,13 @@ def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Connect
     )
     with connect_support.running_connect_server(directory, executor_python=python) as s:
         yield s
+
+
+@pytest.fixture
+def doomed_standalone_cluster(standalone_cluster: Cluster) -> Cluster:
+    """The session's standalone cluster, for a test that kills one of its workers: such tests
+    run after every other test (``pytest_collection_modifyitems``)."""
+    return standalone_cluster
 
 
 @pytest.fixture

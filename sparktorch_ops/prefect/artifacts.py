@@ -130,6 +130,7 @@ class RunSummary:
         input: the DataFrame input's ``rows``, ``columns`` and ``source``, if any.
         checkpoint: ``RunResult.checkpoint``: the directory, the step resumed from, if any.
         mlflow_run_id, mlflow_run_url: the MLflow run that tracked it, and its page.
+        attempts: each attempt in a line, when there was more than one (``max_failures``).
     """
 
     title: str
@@ -148,6 +149,7 @@ class RunSummary:
     checkpoint: Mapping[str, Any] | None = None
     mlflow_run_id: str | None = None
     mlflow_run_url: str | None = None
+    attempts: list[str] = field(default_factory=list)
 
     def complete(self, result: RunResult, where: str) -> None:
         """Fill in a completed run: its duration, metrics, result line, ids and link."""
@@ -159,6 +161,11 @@ class RunSummary:
         self.input = result.input
         self.checkpoint = result.checkpoint
         self.mlflow_run_id, self.mlflow_run_url = result.mlflow_run_id, result.mlflow_run_url
+        self.note_attempts(result.attempts)
+
+    def note_attempts(self, attempts: Any) -> None:
+        """Keep each attempt's line, when there was more than one."""
+        self.attempts = [a.describe() for a in attempts] if len(attempts) > 1 else []
 
     def markdown(self) -> str:
         """The summary as markdown."""
@@ -199,6 +206,8 @@ class RunSummary:
                 else f"`{self.mlflow_run_id}`"
             )
             rows.append(("MLflow run", run))
+        if self.attempts:
+            rows.append(("Attempts", "; ".join(self.attempts)))
         if self.result:
             rows.append(("Result", self.result))
         if self.app_id:
@@ -469,6 +478,7 @@ class TrainingReport:
         summary = self.summary
         assert summary is not None, "start() first"
         summary.status, summary.error = describe_error(exc, self._timeout_seconds)
+        summary.note_attempts(getattr(exc, "attempts", ()))
         summary.duration_s = time.monotonic() - self._started
         summary.app_id, summary.ui_url = self._session.get("app_id"), self._session.get("ui_url")
         if self.recorder is None:

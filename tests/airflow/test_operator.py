@@ -48,6 +48,21 @@ def test_summary_is_pushed_with_the_rank0_value_and_metrics(ops: Any) -> None:
     assert ops.xcom("summary", key="_link_SparkUILink") == ""
 
 
+def test_one_task_try_covers_a_second_attempt_after_a_lost_rank(ops: Any) -> None:
+    """max_failures=1: rank 1's SIGKILL ends the first attempt, and the same task try's
+    second attempt trains; the summary says both, the log why the second started."""
+    ti = ops.task("attempts")
+    assert (ti.state, ti.try_number) == ("success", 1)
+    summary = ops.xcom("attempts")
+    assert summary["value"] == "trained after a lost rank"
+    first, second = summary["attempts"]
+    assert first["cause"].startswith("rank 1 on ") and first["cause"].endswith("SIGKILL")
+    assert second["cause"] is None and second["num_processes"] == 2
+    log = ops.task_log("attempts")
+    assert "sparktorch_ops: attempt 1 of 2 ended: rank 1 on " in log
+    assert "starting attempt 2 afresh with 2 ranks" in log
+
+
 def test_templated_fields_are_rendered(ops: Any) -> None:
     value = ops.xcom("summary")["value"]
     day = ops.logical_date.strftime("%Y-%m-%d")

@@ -18,7 +18,7 @@ import psutil
 from pyspark.sql import SparkSession
 from sparktorch_ops import TorchDistributor
 from sparktorch_ops.wire.env import RUN_ID_ENV
-from tests.faults.training import long_training, fail_after_ready
+from tests.faults.training import long_training, fail_after_ready, steps_losing_an_executor
 from harness.procs import wait_until_gone, warm_processes
 
 spark = (SparkSession.builder.master({master!r}).config("spark.driver.host", "127.0.0.1")
@@ -79,14 +79,46 @@ out["agent_kill"] = scenario("agent_kill", long_training,
 out["cancel"] = scenario("cancel", long_training, lambda d, pids: d.cancel())
 out["executor_kill"] = scenario("executor_kill", long_training,
                                 lambda d, pids: ancestor(pids[1], "CoarseGrainedExecutorBackend").kill())
+
+def attempts(name, whole_worker, **options):
+    # max_failures=1: rank 1's executor (or its whole worker) is SIGKILLed after step 2's
+    # checkpoint; the call returns the resumed training.
+    folder = Path({tmp!r}) / name
+    folder.mkdir()
+    d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark,
+                         max_failures=1, checkpoint_dir=str(folder / "checkpoints"), **options)
+    outcome = {{}}
+    try:
+        if whole_worker:  # DataFrame input: laid out again over the ranks of attempt 2
+            frame = spark.range(1000, numPartitions=4)
+            result = d.launch_on_dataframe(steps_losing_an_executor, frame, 6, str(folder), True, True)
+        else:
+            result = d.launch(steps_losing_an_executor, 6, str(folder))
+    except BaseException as exc:
+        outcome["error"] = f"{{type(exc).__name__}}: {{str(exc)[:3000]}}"
+        return outcome
+    outcome["value"] = result.value
+    outcome["attempts"] = [a.to_dict() for a in result.attempts]
+    outcome["steps"] = sorted({{m.step for m in result.metrics if m.rank == 0}})
+    killed = float((folder / "killed").read_text())
+    restarted = min(p.stat().st_mtime for p in folder.glob("later.rank*"))
+    outcome["training_again_after_s"] = restarted - killed
+    outcome["left"] = [" ".join(p.cmdline())[:200] for p in wait_until_gone(result.run_id, timeout=30)]
+    return outcome
+
+out["executor_lost_then_replaced"] = attempts("executor_lost_then_replaced", False)
+# Last: the cluster keeps one worker (this test's fixture runs after every other test).
+out["worker_lost"] = attempts("worker_lost", True, min_processes=1, start_timeout=10)
 emit(out)
 """
 
 
-def test_kill_paths_on_the_standalone_cluster(standalone_cluster: Cluster, tmp_path: Path) -> None:
+def test_kill_paths_on_the_standalone_cluster(
+    doomed_standalone_cluster: Cluster, tmp_path: Path
+) -> None:
     result, output = run_driver(
         tmp_path,
-        PROGRAM.format(master=standalone_cluster.master_url, tmp=str(tmp_path)),
+        PROGRAM.format(master=doomed_standalone_cluster.master_url, tmp=str(tmp_path)),
         timeout=900,
     )
     expected = {
@@ -103,3 +135,28 @@ def test_kill_paths_on_the_standalone_cluster(standalone_cluster: Cluster, tmp_p
         assert case["left"] == [], (name, case["left"])
         assert case["warm_left"] == [], (name, case["warm_left"])
     assert "rank 1 raised on purpose" in result["raise"]["message"]
+
+    # max_failures=1: the executor under rank 1 SIGKILLed after step 2's checkpoint; the
+    # worker relaunches it and the second attempt resumes on both ranks.
+    replaced = result["executor_lost_then_replaced"]
+    assert "error" not in replaced, (replaced, output[-4000:])
+    assert replaced["value"]["start"] == 2 and replaced["value"]["ran"] == [3, 4, 5]
+    assert replaced["value"]["total"] == 15.0 and replaced["value"]["world"] == 2
+    assert replaced["steps"] == [0, 1, 2, 3, 4, 5]  # every step's metric
+    first, second = replaced["attempts"]
+    assert "was lost" in first["cause"] or "SIGKILL" in first["cause"], first
+    assert (second["resumed_from"], second["num_processes"], second["cause"]) == (2, 2, None)
+    assert replaced["left"] == []
+    # The worker killed with its executor: no slot comes back, and min_processes=1 lets the
+    # second attempt run on one rank, from the checkpoint, with every row of the DataFrame.
+    lost = result["worker_lost"]
+    assert "error" not in lost, (lost, output[-4000:])
+    assert lost["value"]["world"] == 1 and lost["value"]["rows"] == 1000
+    assert lost["value"]["start"] == 2 and lost["value"]["total"] == 15.0
+    assert [a["num_processes"] for a in lost["attempts"]] == [2, 1]
+    assert lost["left"] == []
+    print(
+        "\nexecutor SIGKILLed -> ranks training again: "
+        f"{replaced['training_again_after_s']:.1f} s (replaced), "
+        f"{lost['training_again_after_s']:.1f} s (worker lost, one rank after start_timeout)"
+    )

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
+from typing import Any
+
+from tests.support.checkpointed import checkpointed_steps
 
 
 def mark_ready(ready_dir: str) -> None:
@@ -74,3 +78,50 @@ def heartbeat_only(seconds: float) -> str:
         sparktorch_ops.report()
         time.sleep(0.5)
     return "done"
+
+
+def _ancestors() -> list[tuple[int, str]]:
+    """This process's ancestors, nearest first: (pid, command line)."""
+    found, pid = [], os.getpid()
+    while pid > 1:
+        with open(f"/proc/{pid}/stat") as stat:
+            pid = int(stat.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            found.append((pid, cmdline.read().replace(b"\0", b" ").decode(errors="replace")))
+    return found
+
+
+def steps_losing_an_executor(
+    steps: int, directory: str, whole_worker: bool = False, rows: bool = False
+) -> dict[str, Any]:
+    """A checkpointed step counter whose first attempt loses rank 1's executor right after
+    step 2's checkpoint: rank 1 SIGKILLs its executor's JVM (with ``whole_worker``, its
+    worker daemon first, so the cluster has no slot to replace it). The kill's time goes to
+    ``<directory>/killed``; each rank writes its pid to ``<directory>/<attempt>.rank<N>`` as it
+    starts (``first`` or ``later``). With ``rows``, each rank first counts the rows of its
+    DataFrame shard."""
+    folder, rank = Path(directory), int(os.environ["RANK"])
+    first = not (folder / "killed").exists()
+    (folder / f"{'first' if first else 'later'}.rank{rank}").write_text(str(os.getpid()))
+    seen = None
+    if rows:
+        from sparktorch_ops.data import partition_loader
+
+        seen = sum(len(batch["id"]) for batch in partition_loader(64, columns=["id"]))
+
+    def lose(step: int) -> None:
+        if not (first and step == 2 and rank == 1):
+            return
+        targets = ["CoarseGrainedExecutorBackend"]
+        if whole_worker:
+            targets.insert(0, "org.apache.spark.deploy.worker.Worker")
+        ancestors = _ancestors()
+        (folder / "killed").write_text(str(time.time()))
+        for target in targets:
+            for pid, command in ancestors:
+                if target in command:
+                    os.kill(pid, signal.SIGKILL)
+        time.sleep(60)  # gone with the executor
+
+    done = checkpointed_steps(steps, lose)
+    return {**done, "world": int(os.environ["WORLD_SIZE"]), "rows": seen}

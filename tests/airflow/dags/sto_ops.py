@@ -50,6 +50,20 @@ def fail_on_rank_one() -> str:
     return "rank 0 is fine"
 
 
+def killed_once(directory: str) -> str:
+    """Rank 1 of the first attempt dies of a SIGKILL (as from the OOM killer); the next
+    attempt of the same task try trains to the end."""
+    import signal
+
+    os.makedirs(directory, exist_ok=True)
+    marker = os.path.join(directory, "killed")
+    if os.environ["RANK"] == "1" and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    return "trained after a lost rank"
+
+
 def sleep_long() -> None:
     """Runs until something stops it."""
     print("training started, sleeping", flush=True)
@@ -86,6 +100,14 @@ with DAG(
         train=fail_on_rank_one,
         num_processes=2,
         use_gpu=False,
+    )
+    TorchDistributorOperator(
+        task_id="attempts",
+        train=killed_once,
+        train_args=["/tmp/sto-ops-attempts/{{ run_id }}"],
+        num_processes=2,
+        use_gpu=False,
+        max_failures=1,
     )
     TorchDistributorOperator(
         task_id="times_out",
