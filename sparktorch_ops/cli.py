@@ -2,6 +2,9 @@
 
     sparktorch-ops run [--num-processes N] [--local-mode|--no-local-mode] [--use-gpu]
                        [--master URL] [--conf k=v ...] [--dry-run] [OPTIONS] SCRIPT [-- ARGS...]
+    sparktorch-ops submit [the same options] SCRIPT [-- ARGS...]    (prints its run directory)
+    sparktorch-ops status RUN | logs RUN [--follow] | wait RUN [--timeout S] | cancel RUN
+    sparktorch-ops list [--root DIR]
 
 Every launch option of :class:`~sparktorch_ops.TorchDistributor` that a command line can give
 has a flag (``--timeout``, ``--env KEY=VALUE``, ``--mlflow-experiment``, ...: ``--help`` lists
@@ -12,16 +15,23 @@ Rank output is printed with rank prefixes; the exit status is the run's
 failure, 2 for bad arguments, 124 on a timeout, 130 when interrupted (SIGINT/SIGTERM cancel the
 run and tear everything down first). ``--dry-run`` prints the run plan as JSON and starts
 nothing. Arguments are checked before Spark starts.
+
+``submit`` starts the same run detached (its driver in a process of its own, which outlives
+this command) and prints its run directory; ``status``, ``logs``, ``wait`` and ``cancel`` take
+that directory (``wait`` exits as ``run`` would have), ``list`` the runs under a root
+(``$SPARKTORCH_RUNS`` by default).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from sparktorch_ops import options
 from sparktorch_ops.errors import ConfigError, SparkTorchError
@@ -33,7 +43,28 @@ from sparktorch_ops.spark.session import SparkSettings
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparktorch-ops", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run a training script under torchrun")
+    _run_arguments(commands.add_parser("run", help="run a training script under torchrun"))
+    _run_arguments(
+        commands.add_parser("submit", help="start a training script detached; print its run")
+    )
+    for name, text in (
+        ("status", "where a detached run is (JSON)"),
+        ("logs", "a detached run's log lines"),
+        ("wait", "wait for a detached run; exit as run would have"),
+        ("cancel", "stop a detached run"),
+    ):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("run_dir", metavar="RUN", help="the run's directory")
+        if name == "logs":
+            command.add_argument("--follow", action="store_true", help="until the run ends")
+        if name == "wait":
+            command.add_argument("--timeout", type=float, help="seconds, at most")
+    listing = commands.add_parser("list", help="the detached runs under a directory")
+    listing.add_argument("--root", help="default: $SPARKTORCH_RUNS")
+    return parser
+
+
+def _run_arguments(run: argparse.ArgumentParser) -> None:
     mode = run.add_mutually_exclusive_group()
     mode.add_argument(
         "--local-mode",
@@ -68,7 +99,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("script", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
-    return parser
 
 
 def _conf(items: Sequence[str]) -> dict[str, str]:
@@ -86,19 +116,65 @@ def _job(args: argparse.Namespace, logger: logging.Logger, token: CancelToken) -
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
     local_mode = args.local_mode if args.local_mode is not None else args.master is None
+    values = {**options.cli_values(args), "local_mode": local_mode}
+    if args.command == "submit":
+        values["detached"] = True
     return build_job(
         train=args.script,
         train_args=script_args,
         spark=SparkSettings(master=args.master, conf=_conf(args.conf)),
         logger=logger,
         cancel_token=token,
-        **{**options.cli_values(args), "local_mode": local_mode},
+        **values,
     )
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """``status``, ``logs``, ``wait``, ``cancel`` and ``list``: on run directories."""
+    from sparktorch_ops.detached.handle import RunHandle
+    from sparktorch_ops.detached.submit import runs_root
+
+    if args.command == "list":
+        root = Path(args.root) if args.root else runs_root()
+        for directory in sorted(root.iterdir()) if root.is_dir() else []:
+            try:
+                status = RunHandle(directory).status()
+            except SparkTorchError:
+                continue
+            print(f"{status.training_id}\t{status.state}\t{status.run_dir}")
+        return 0
+    handle = RunHandle(args.run_dir)
+    if args.command == "status":
+        print(json.dumps(dataclasses.asdict(handle.status()), indent=2))
+    elif args.command == "logs":
+        for line in handle.logs(follow=args.follow):
+            print(line, flush=True)
+    elif args.command == "cancel":
+        handle.cancel("cancelled with sparktorch-ops cancel")
+        print(f"sparktorch-ops: asked the run in {handle.run_dir} to stop")
+    else:
+        try:
+            result = handle.wait(args.timeout)
+        except TimeoutError as exc:
+            print(f"sparktorch-ops: {exc}", file=sys.stderr)
+            return 124
+        print(
+            f"sparktorch-ops: {result.num_processes} ranks finished in "
+            f"{result.duration.total_seconds():.1f} s"
+        )
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sparktorch-ops`` command; returns the exit status."""
     args = _parser().parse_args(argv)
+    if args.command not in ("run", "submit"):
+        try:
+            return _run_command(args)
+        except SparkTorchError as exc:
+            outcome = outcome_of(exc)
+            print(f"sparktorch-ops: {outcome.message}", file=sys.stderr)
+            return outcome.exit_status
     logger = logging.getLogger("sparktorch_ops.cli")
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -115,6 +191,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         job = _job(args, logger, token)  # every check, before Spark starts
         if args.dry_run:
             print(json.dumps(plan_job(job).to_dict(), indent=2))
+            return 0
+        if args.command == "submit":
+            from sparktorch_ops.detached.submit import submit
+
+            print(submit(job).run_dir)
             return 0
         result = launch_job(job)
     except SparkTorchError as exc:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from sparktorch_ops import events, options
+from sparktorch_ops.detached.handle import RunHandle
 from sparktorch_ops.driver.facts import gather_facts
 from sparktorch_ops.driver.packing import describe
 from sparktorch_ops.driver.planning import plan_run
@@ -67,6 +68,8 @@ class TorchDistributor:
         mlflow_tracking_uri: str | None = None,
         mlflow_all_ranks: bool = False,
         channel_host: str | None = None,
+        detached: bool = False,
+        run_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.spec = LaunchSpec(**options.values_of("distributor", locals()))
         self.spark = spark
@@ -177,6 +180,41 @@ class TorchDistributor:
         finally:
             self._tokens.remove(token)
 
+    def submit(
+        self, train_object: Callable[..., Any] | str | os.PathLike[str], *args: Any, **kwargs: Any
+    ) -> RunHandle:
+        """Start ``train_object`` detached and return its :class:`RunHandle` at once: its
+        driver runs in a process of its own, which outlives this one, its state in
+        ``run_dir`` (``RunHandle(run_dir)`` reattaches from anywhere). A ``run_dir`` that holds
+        the same training already is reattached to, not trained again.
+
+        Raises:
+            ConfigError: bad arguments (``detached=True`` is needed).
+            RunDirectoryError: ``run_dir`` holds another training or is not usable.
+        """
+        return self._submit(self._job(CancelToken(), train_object, args, kwargs))
+
+    def submit_on_dataframe(
+        self, train_function: Callable[..., Any] | str, dataframe: Any, *args: Any, **kwargs: Any
+    ) -> RunHandle:
+        """Like :meth:`submit`, with ``dataframe`` shared out as by :meth:`train_on_dataframe`
+        (written as Parquet into the run directory first: the detached driver's own session
+        reads it there)."""
+        check_dataframe(dataframe)
+        data = DataInput(dataframe=dataframe)
+        return self._submit(self._job(CancelToken(), train_function, args, kwargs, data))
+
+    def _submit(self, job: TrainingJob) -> RunHandle:
+        from sparktorch_ops.detached.submit import submit
+
+        if not self.spec.detached:
+            raise ConfigError(
+                "detached",
+                "submit() starts a detached run: create the distributor with detached=True "
+                "(run() and launch() wait for it)",
+            )
+        return submit(job)
+
     def plan(
         self, train_object: Callable[..., Any] | str | os.PathLike[str], *args: Any, **kwargs: Any
     ) -> RunPlan:
@@ -233,11 +271,17 @@ class TorchDistributor:
 
 
 def launch_job(job: TrainingJob) -> RunResult:
-    """Run a job to its end; cancel it with ``job.cancel_token``.
+    """Run a job to its end; cancel it with ``job.cancel_token``. A detached job runs in a
+    driver process of its own, waited on here (:mod:`sparktorch_ops.detached`).
 
     Raises:
         As :meth:`TorchDistributor.run`.
     """
+    if job.options.detached:
+        from sparktorch_ops.detached.submit import launch_detached
+
+        result: RunResult = launch_detached(job)
+        return result
     return Run(job).execute()
 
 

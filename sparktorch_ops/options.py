@@ -239,6 +239,24 @@ OPTIONS: tuple[Option, ...] = (
         flag=Flag("--channel-host", {}),
     ),
     Option(
+        "detached",
+        "run the training's driver in a process of its own that outlives the caller (a worker "
+        "slot, a notebook, a killed task process), its whole state in ``run_dir``: ``run()`` "
+        "and ``launch()`` submit it and wait on it, ``submit()`` returns its ``RunHandle`` at "
+        "once (docs/detached.md).",
+        False,
+        flag=Flag("--detached", {"action": "store_true"}),
+    ),
+    Option(
+        "run_dir",
+        "where a detached run keeps its state: a path or an fsspec URL (default "
+        "``$SPARKTORCH_RUNS/<training id>``, else under ``~/.local/state/sparktorch_ops/runs``);"
+        " one that holds the same training already is reattached to, not trained again.",
+        None,
+        templated=True,
+        flag=Flag("--run-dir", {}),
+    ),
+    Option(
         "logger",
         "receives every rank's output (stdout at INFO, stderr at WARNING): a "
         "``logging.Logger``, an adapter, or anything with ``log(level, msg, *args)``.",

@@ -307,6 +307,8 @@ class LaunchSpec:
     mlflow_all_ranks: bool = False
     mlflow_tags: Mapping[str, str] = field(default_factory=dict)
     channel_host: str | None = None
+    detached: bool = False
+    run_dir: str | None = None
     training: TrainingTry | None = None
 
     def __post_init__(self) -> None:
@@ -344,6 +346,8 @@ class LaunchSpec:
                 raise ConfigError(name, f"must be a non-empty string or None, got {value!r}")
         _require_bool("mlflow_all_ranks", self.mlflow_all_ranks)
         object.__setattr__(self, "channel_host", _check_host("channel_host", self.channel_host))
+        _require_bool("detached", self.detached)
+        object.__setattr__(self, "run_dir", check_location("run_dir", self.run_dir))
         if not isinstance(self.mlflow_tags, Mapping):
             raise ConfigError("mlflow_tags", f"must be a mapping, got {self.mlflow_tags!r}")
         object.__setattr__(

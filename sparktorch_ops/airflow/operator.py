@@ -146,6 +146,8 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
         max_local_processes: int | None = None,
         allow_unencrypted_channel: bool = False,
         channel_host: str | None = None,
+        detached: bool = False,
+        run_dir: str | None = None,
         result_location: str | None = None,
         max_xcom_value_bytes: int | None = None,
         input_sql: str | None = None,

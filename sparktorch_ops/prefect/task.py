@@ -67,6 +67,8 @@ def run_torch_distributor(
     max_local_processes: int | None = None,
     allow_unencrypted_channel: bool = False,
     channel_host: str | None = None,
+    detached: bool = False,
+    run_dir: str | None = None,
     artifact_key: str | None = None,
     artifacts: bool = True,
     dataframe: Any = None,

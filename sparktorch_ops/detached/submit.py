@@ -1,0 +1,332 @@
+"""Submitting a detached run: its directory, then its driver in a process of its own.
+
+:func:`submit_job` writes the job into the run directory and starts
+``python -m sparktorch_ops.detached.driver RUN_DIR`` in a new session, so the training goes on
+when the submitting process ends (a worker slot freed, a notebook closed, a task process
+killed). A run directory that already holds the same training is reattached to instead: a
+live or finished run is not trained twice; a lost or failed one gets a new driver, which
+resumes from the training's checkpoints.
+
+Where Spark runs Python drivers on the cluster (YARN and Kubernetes, ``--deploy-mode
+cluster``), :func:`cluster_submit_argv` gives the ``spark-submit`` command that runs the same
+driver there (Spark has no cluster mode for Python applications on a standalone master).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import sparktorch_ops
+from sparktorch_ops.detached.driver import DetachedJob
+from sparktorch_ops.detached.handle import RunHandle
+from sparktorch_ops.detached.rundir import RunDirectory, RunDirectoryError
+from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.events import PhaseEvent
+from sparktorch_ops.job import CancelToken, TrainingJob
+from sparktorch_ops.results import MetricRecord
+from sparktorch_ops.spark.dataframe import DataInput
+from sparktorch_ops.spark.session import SparkSettings
+from sparktorch_ops.spec import LaunchSpec
+from sparktorch_ops.wire.payload import FunctionCall
+
+#: Where detached runs go when no ``run_dir`` is given: ``$SPARKTORCH_RUNS``, else
+#: ``~/.local/state/sparktorch_ops/runs``; each run in ``<root>/<training id>``.
+RUNS_ENV = "SPARKTORCH_RUNS"
+_CALLBACKS = ("logger", "on_metrics", "on_event")
+# A session's settings that belong to that application alone, not to a new one like it.
+_APPLICATION_CONF = (
+    "spark.app.id",
+    "spark.app.name",
+    "spark.app.startTime",
+    "spark.app.submitTime",
+    "spark.driver.port",
+    "spark.executor.id",
+    "spark.driver.appUIAddress",
+    "spark.ui.proxyBase",
+    "spark.sql.warehouse.dir",
+    "spark.submit.pyFiles",
+    "spark.files",
+    "spark.repl.local.jars",
+)
+
+
+def runs_root() -> Path:
+    """The directory that holds detached runs by default."""
+    configured = os.environ.get(RUNS_ENV, "").strip()
+    if configured:
+        return Path(configured)
+    return Path.home() / ".local" / "state" / "sparktorch_ops" / "runs"
+
+
+def new_training_id() -> str:
+    """A fresh training id."""
+    return f"training-{uuid.uuid4().hex[:16]}"
+
+
+def settings_of(session: Any) -> SparkSettings:
+    """The settings that make another application like ``session``'s (its master and the
+    settings it was given), for a detached driver of its own."""
+    from sparktorch_ops.spark.session import connect_endpoint, is_connect_session
+
+    if is_connect_session(session):
+        host, port = connect_endpoint(session)
+        return SparkSettings(master=f"sc://{host}:{port}")
+    sc = session.sparkContext
+    conf = {k: v for k, v in sc.getConf().getAll() if k not in _APPLICATION_CONF}
+    conf.pop("spark.master", None)
+    return SparkSettings(master=sc.master, conf=conf)
+
+
+def detached_job(
+    job: TrainingJob, spark: SparkSettings | None, data_dir: Callable[[], str]
+) -> DetachedJob:
+    """``job`` as ``job.pkl`` holds it. A DataFrame input is written out as Parquet under
+    ``data_dir()`` first (the detached driver has a session of its own to read it with)."""
+    options = {
+        f: getattr(job.options, f) for f in LaunchSpec.__dataclass_fields__ if f not in _CALLBACKS
+    }
+    options["detached"] = False  # its driver runs it in place
+    data = job.data
+    if data is not None and data.dataframe is not None:
+        path = data_dir()
+        data.dataframe.write.mode("overwrite").parquet(path)
+        data = DataInput(path=path)
+    settings = None
+    if spark is not None and not job.options.local_mode:
+        settings = {"master": spark.master, "conf": dict(spark.conf), "app_name": spark.app_name}
+    return DetachedJob(job.payload, options, settings, data)
+
+
+def job_of(
+    directory: RunDirectory,
+    logger: logging.Logger,
+    on_metrics: Callable[[MetricRecord], None],
+    on_event: Callable[[PhaseEvent], None],
+) -> TrainingJob:
+    """The job of a run directory, for its detached driver: its callbacks write into it."""
+    from sparktorch_ops.rank.pickling import cloudpickle_module
+
+    stored: DetachedJob = pickle.loads(directory.job())
+    payload = stored.payload
+    if isinstance(payload, FunctionCall):
+        train, args, kwargs = cloudpickle_module().loads(payload.data)
+    else:
+        train, args, kwargs = payload.driver_path, payload.argv, {}
+    spark = SparkSettings(**stored.spark) if stored.spark else SparkSettings()
+    options = {**stored.options, "logger": logger, "on_metrics": on_metrics, "on_event": on_event}
+    return TrainingJob(
+        train,
+        tuple(args),
+        dict(kwargs),
+        LaunchSpec(**options),
+        spark,
+        CancelToken(),
+        data=stored.data,
+    )
+
+
+def submit_job(
+    job: TrainingJob,
+    spark: SparkSettings | None,
+    *,
+    run_dir: str | None = None,
+    training_id: str | None = None,
+    log: Any = None,
+) -> RunHandle:
+    """Start ``job`` detached (or reattach to the run of its training); its handle at once.
+
+    Args:
+        job: the job, as a run would take it.
+        spark: the settings of the detached driver's own session (barrier mode).
+        run_dir: the run's directory (default: ``runs_root()/<training id>``).
+        training_id: the training (default: a new one; the run directory's, when it holds
+            one).
+        log: where the line saying what happened goes.
+
+    Raises:
+        RunDirectoryError: ``run_dir`` holds another training, or is not usable.
+    """
+    log = log or logging.getLogger("sparktorch_ops")
+    location = run_dir or str(runs_root() / (training_id or new_training_id()))
+    directory = RunDirectory(location)
+    if _holds_run(directory):
+        identity = directory.identity()
+        if training_id is not None and identity["training_id"] != training_id:
+            raise RunDirectoryError(
+                directory.location,
+                f"holds the training {identity['training_id']}, not {training_id}: give each "
+                "training a directory of its own",
+            )
+        handle = RunHandle(directory.location)
+        state = handle.status().state
+        if state not in ("failed", "cancelled", "timed_out", "lost"):
+            log.info(
+                "sparktorch_ops: the training %s is already %s in %s: reattached, not "
+                "submitted again",
+                handle.training_id,
+                state,
+                directory.location,
+            )
+            return handle
+        _start_over(directory)
+    else:
+        stored = detached_job(job, spark, lambda: str(Path(directory.location) / "input"))
+        identity = {"training_id": training_id or new_training_id(), "mode": job.options.mode}
+        directory.create(identity, pickle.dumps(stored))
+    _start_driver(directory)
+    handle = RunHandle(directory.location)
+    log.info(
+        "sparktorch_ops: submitted the training %s, detached: %s",
+        handle.training_id,
+        directory.location,
+    )
+    return handle
+
+
+def _holds_run(directory: RunDirectory) -> bool:
+    try:
+        directory.identity()
+    except RunDirectoryError as exc:
+        if "does not exist" in exc.problem or "no run.json" in exc.problem:
+            return False
+        raise
+    return True
+
+
+def _start_over(directory: RunDirectory) -> None:
+    """A lost or failed run of this training: its end and any cancel request go, its
+    streams stay (the new driver's chunks follow them)."""
+    if directory.is_url:
+        raise ConfigError(
+            "run_dir",
+            f"{directory.location} holds an ended run; restarting one on an object store "
+            "is not supported: give a new run_dir (the checkpoints carry the training on)",
+        )
+    for name in ("result.json", "value.pkl", "error.pkl", "cancel", "status.json"):
+        Path(directory.location, name).unlink(missing_ok=True)
+
+
+def driver_argv(run_dir: str) -> list[str]:
+    """The detached driver's command line."""
+    return [sys.executable, "-m", "sparktorch_ops.detached.driver", run_dir]
+
+
+def _start_driver(directory: RunDirectory) -> None:
+    """The detached driver, in a new session (no signal of this process's group reaches it),
+    importing this process's sparktorch_ops."""
+    package_root = str(Path(sparktorch_ops.__file__).resolve().parents[1])
+    paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    with contextlib.ExitStack() as stack:
+        out: Any = subprocess.DEVNULL
+        if not directory.is_url:
+            out = stack.enter_context(Path(directory.location, "driver.out").open("ab"))
+        process = subprocess.Popen(
+            driver_argv(directory.location),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    # Reaped when it ends, while this process lives (no zombie); it outlives this process.
+    threading.Thread(target=process.wait, name="sparktorch-detached-reaper", daemon=True).start()
+
+
+def cluster_submit_argv(
+    run_dir: str, master: str, conf: Mapping[str, str], package_zip: str
+) -> list[str]:
+    """``spark-submit --deploy-mode cluster`` running a run's detached driver on the cluster
+    (YARN or Kubernetes: Spark runs Python drivers in cluster mode only there).
+
+    The run directory must be on storage the cluster reaches (HDFS, an object store): the
+    driver reads its job there and writes everything back there; ``package_zip`` is this
+    sparktorch_ops, shipped with ``--py-files``.
+
+    Raises:
+        ConfigError: a master where Spark has no Python cluster mode (local, standalone).
+    """
+    if not master.startswith(("yarn", "k8s://")):
+        raise ConfigError(
+            "spark_master",
+            f"{master}: Spark runs Python drivers in cluster deploy mode on YARN and "
+            "Kubernetes only; on this master the detached driver runs on this machine",
+        )
+    if "://" not in run_dir:
+        raise ConfigError(
+            "run_dir",
+            f"{run_dir} is a local path: a driver on the cluster needs the run directory on "
+            "storage it reaches (hdfs://, s3a://, gs://, ...)",
+        )
+    argv = ["spark-submit", "--master", master, "--deploy-mode", "cluster"]
+    for key, value in sorted(conf.items()):
+        argv += ["--conf", f"{key}={value}"]
+    driver = str(Path(__file__).with_name("driver.py"))
+    return [*argv, "--py-files", package_zip, driver, run_dir]
+
+
+def spark_settings(job: TrainingJob) -> SparkSettings | None:
+    """The settings of a detached driver's own session: those of the job's session (or the
+    active one), else the job's master and conf; None in local mode."""
+    from sparktorch_ops.spark.session import active_session
+
+    if job.options.local_mode:
+        return None
+    session = job.spark.session
+    if session is None and not job.spark.configured:
+        session = active_session()
+    return settings_of(session) if session is not None else job.spark
+
+
+def submit(job: TrainingJob) -> RunHandle:
+    """Submit ``job`` detached, in its ``run_dir`` (see :func:`submit_job`)."""
+    training = job.options.training
+    return submit_job(
+        job,
+        spark_settings(job),
+        run_dir=job.options.run_dir,
+        training_id=training.training_id if training is not None else None,
+        log=job.options.logger,
+    )
+
+
+def launch_detached(job: TrainingJob) -> Any:
+    """Submit ``job`` detached and wait for it, forwarding its lines to the job's logger and
+    its records to ``on_metrics`` as they come; a cancel of the job cancels the run.
+
+    Returns:
+        Its RunResult. Raises what the run raised.
+    """
+    import time
+
+    handle = submit(job)
+    log = job.options.logger or logging.getLogger("sparktorch_ops")
+    seen = {"logs": 0, "metrics": 0}
+    pause = 0.1
+    cancelled = False
+    while True:
+        done = handle.status().done
+        for chunk, record in handle.directory.read("logs", seen["logs"]):
+            seen["logs"] = max(seen["logs"], chunk)
+            log.log(logging.getLevelName(record.get("level", "INFO")), "%s", record["line"])
+        if job.options.on_metrics is not None:
+            for chunk, record in handle.directory.read("metrics", seen["metrics"]):
+                seen["metrics"] = max(seen["metrics"], chunk)
+                job.options.on_metrics(MetricRecord(**record))
+        if done:
+            return handle.result()
+        if job.cancel_token.cancelled and not cancelled:
+            handle.cancel(job.cancel_token.reason or "cancelled")
+            cancelled = True
+        time.sleep(pause)
+        pause = min(pause * 1.5, 1.0)
