@@ -19,6 +19,7 @@ from airflow.providers.common.compat.sdk import ResumableJobMixin
 from sparktorch_ops.driver.durable import (
     RESUMABLE,
     SUCCEEDED,
+    StoredTraining,
     TrainingRecord,
     TrainingTry,
     status_of,
@@ -75,6 +76,20 @@ class DurableTraining(ResumableJobMixin):
             external_id, save, ti.try_number, ti.max_tries, lambda t: self._train(context, t)
         )
         return self._summary
+
+    def store_summary(self, context: Context, summary: dict[str, Any]) -> dict[str, Any]:
+        """A deferred try ends in ``execute_complete``: store its summary as a try that
+        trained in place does (a later try returns it instead of training)."""
+        ti: Any = context["ti"]
+        store = context.get("task_state_store")
+        if self.durable and store is not None:
+            stored = store.get(self.external_id_key)
+            if stored is not None:
+                save = functools.partial(store.set, self.external_id_key)
+                record = TrainingRecord.from_json(stored)
+                StoredTraining(record, save).finish(ti.try_number, summary)
+        self._summary = summary
+        return summary
 
     def get_job_result(self, external_id: Any, context: Context) -> dict[str, Any]:
         """This try's summary, or the one an earlier try stored."""

@@ -12,11 +12,11 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
-from airflow.providers.common.compat.sdk import AirflowException, AirflowFailException
+from airflow.providers.common.compat.sdk import AirflowFailException, conf
 from airflow.sdk import BaseOperator
 
 from sparktorch_ops import events, options
-from sparktorch_ops.airflow import storage, task_instance
+from sparktorch_ops.airflow import deferred, storage, task_instance
 from sparktorch_ops.airflow.connection import (
     DEFAULT_CONN_ID,
     MissingConnectionError,
@@ -25,10 +25,10 @@ from sparktorch_ops.airflow.connection import (
 )
 from sparktorch_ops.airflow.durable import DurableTraining
 from sparktorch_ops.airflow.links import MlflowRunLink, SparkUILink
+from sparktorch_ops.airflow.outcomes import airflow_error, summary_of
 from sparktorch_ops.errors import ConfigError, SparkTorchError
 from sparktorch_ops.job import CancelToken, build_job
 from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
-from sparktorch_ops.outcome import outcome_of
 from sparktorch_ops.spark.dataframe import DataInput
 from sparktorch_ops.spark.session import SparkSettings, redact_connect_url
 
@@ -37,14 +37,6 @@ if TYPE_CHECKING:
 
     from sparktorch_ops.driver.durable import TrainingTry
     from sparktorch_ops.results import MetricRecord
-
-
-class TorchTrainingError(AirflowException):
-    """Training failed, timed out or was cancelled; Airflow may retry the task.
-
-    The message names the failing rank and ends with its traceback tail, so the task's failure
-    in the Airflow UI says why.
-    """
 
 
 @options.documented("operator")
@@ -120,6 +112,7 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
     checkpoint_dir: str | None
     mlflow_experiment: str | None
     mlflow_tracking_uri: str | None
+    run_dir: str | None
     ui_color = "#ee4c2c"
 
     def __init__(
@@ -161,6 +154,7 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
         mlflow_all_ranks: bool = False,
         mlflow_conn_id: str = "mlflow_default",
         durable: bool | None = None,
+        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         **kwargs: Any,
     ) -> None:
         # Named here (not left to **kwargs) so that default_args={"durable": ...} reaches it.
@@ -179,6 +173,7 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
         self.input_sql, self.input_table = input_sql, input_table
         self.input_path, self.input_format = input_path, input_format
         self.mlflow_conn_id = mlflow_conn_id
+        self.deferrable = deferrable
         self.mlflow_run_link: str | None = None
         # Read by SparkUILink when the task ends; None: not known in this process.
         self.spark_ui_link: str | None = None
@@ -200,16 +195,20 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
             data = self._data_input()
             ti: Any = context["ti"]
             location = str(self.result_location or storage.default_result_location())
+            training_id = training.training_id if training else None
             launch = {
                 **options.values_of("operator", self),
                 "checkpoint_dir": self.checkpoint_dir
-                or task_instance.default_checkpoint_dir(
-                    ti, location, training.training_id if training else None
-                ),
+                or task_instance.default_location(ti, location, "checkpoints", training_id),
                 "mlflow_tracking_uri": mlflow_tracking_uri(
                     self.mlflow_tracking_uri, self.mlflow_experiment, self.mlflow_conn_id, self.log
                 ),
             }
+            if self.deferrable:
+                launch["detached"] = True
+                launch["run_dir"] = self.run_dir or task_instance.default_location(
+                    ti, location, "runs", training_id
+                )
             train = self.train
             if isinstance(train, str):
                 train = self.render_template(train, context)
@@ -227,30 +226,31 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
                 training=training,
                 **launch,
             )
+            if self.deferrable:
+                deferred.defer_training(self, job, context)
             from sparktorch_ops.distributor import launch_job
 
             result = launch_job(job)
-            self.mlflow_run_link = result.mlflow_run_url or ""
         except SparkTorchError as exc:
-            outcome = outcome_of(exc)
-            if not outcome.retryable:
-                raise AirflowFailException(f"sparktorch_ops: {outcome.message}") from exc
-            raise TorchTrainingError(outcome.message) from exc
+            raise airflow_error(exc) from exc
         finally:
             self._cancel_token = CancelToken()  # a kill of this try is not the next try's
+        self.mlflow_run_link = result.mlflow_run_url or ""
+        return summary_of(result, ti, location, self.max_xcom_value_bytes, self.log)
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        """The deferred training ended: the same XCom summary as ``execute`` returns."""
+        ti: Any = context["ti"]
         try:
-            return storage.xcom_summary(
-                result,
-                location=location,
-                key=task_instance.result_key(ti),
-                max_bytes=self.max_xcom_value_bytes,
-                log=self.log,
-            )
-        except Exception as exc:
-            raise TorchTrainingError(
-                f"training succeeded but rank 0's value could not be written to "
-                f"{location!r}: {type(exc).__name__}: {exc}"
-            ) from exc
+            result = deferred.ended_run(event)
+        except SparkTorchError as exc:
+            raise airflow_error(exc) from exc
+        if result.ui_url:
+            self.spark_ui_link = SparkUILink().publish({"ui_url": result.ui_url}, ti, self.log)
+        self.mlflow_run_link = result.mlflow_run_url or ""
+        location = str(self.result_location or storage.default_result_location())
+        summary = summary_of(result, ti, location, self.max_xcom_value_bytes, self.log)
+        return self.store_summary(context, summary)
 
     def on_kill(self) -> None:
         """Cancel the run: the Spark job is interrupted and every process of the run ends.

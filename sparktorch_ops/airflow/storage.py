@@ -176,15 +176,17 @@ def result_key(
     return f"{task_key(dag_id, run_id, task_id, map_index)}/try-{int(try_number)}"
 
 
-def checkpoint_location(
-    location: str, dag_id: str, run_id: str, task_id: str, map_index: int | None
+def task_instance_location(
+    location: str, area: str, dag_id: str, run_id: str, task_id: str, map_index: int | None
 ) -> str:
-    """The default ``checkpoint_dir`` of a task instance: ``<location>/checkpoints/<task_key>``.
+    """A task instance's own directory in ``area`` under ``location``:
+    ``<location>/<area>/<task_key>`` (the default ``checkpoint_dir`` in ``checkpoints``, a
+    deferred training's run directory in ``runs``).
 
     Keyed by dag, run, task and map index but not the try, so a retry of the task instance
-    resumes from its previous try's checkpoints, and a new DAG run starts fresh.
+    finds its previous try's checkpoints and run, and a new DAG run starts fresh.
     """
-    relative = f"checkpoints/{task_key(dag_id, run_id, task_id, map_index)}"
+    relative = f"{area}/{task_key(dag_id, run_id, task_id, map_index)}"
     local = _local_path(location)
     if local is not None:
         return os.path.join(local, *relative.split("/"))

@@ -35,10 +35,11 @@ def result_key(ti: Any) -> str:
     return storage.result_key(ti.dag_id, ti.run_id, ti.task_id, _map_index(ti), ti.try_number)
 
 
-def default_checkpoint_dir(ti: Any, result_location: str, training_id: str | None) -> str:
-    """The task instance's own ``checkpoint_dir``, kept across its tries; a durable
+def default_location(ti: Any, result_location: str, area: str, training_id: str | None) -> str:
+    """The task instance's own directory in ``area`` (``checkpoints``: its ``checkpoint_dir``;
+    ``runs``: a deferred training's run directory), kept across its tries; a durable
     training's own under it (a cleared task's new training starts afresh)."""
-    location = storage.checkpoint_location(
-        result_location, ti.dag_id, ti.run_id, ti.task_id, _map_index(ti)
+    location = storage.task_instance_location(
+        result_location, area, ti.dag_id, ti.run_id, ti.task_id, _map_index(ti)
     )
     return location if training_id is None else f"{location.rstrip('/')}/{training_id}"

@@ -307,9 +307,21 @@ def launch_detached(job: TrainingJob) -> Any:
     Returns:
         Its RunResult. Raises what the run raised.
     """
+    handle = submit(job)
+    try:
+        return _follow(job, handle)
+    except BaseException:
+        # The caller stopped waiting (Ctrl-C, an orchestrator's timeout or cancel): the run
+        # stops too, as an attached one would. Only a caller that dies outright (SIGKILL, a
+        # lost machine) leaves it running, for a retry or a rerun to reattach to.
+        handle.cancel("the caller that waited for it was interrupted")
+        raise
+
+
+def _follow(job: TrainingJob, handle: RunHandle) -> Any:
+    """Wait for ``handle``'s run, forwarding its lines and records to ``job``'s callbacks."""
     import time
 
-    handle = submit(job)
     log = job.options.logger or logging.getLogger("sparktorch_ops")
     seen = {"logs": 0, "metrics": 0}
     pause = 0.1

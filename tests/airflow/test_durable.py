@@ -1,5 +1,6 @@
 """Durable trainings under ``dag.test()``: a summary stored before the try died is returned
-by the retry without training; ``durable=False`` trains afresh on every try. (The SIGKILL of a
+by the retry without training; ``durable=False`` trains afresh on every try; a deferred one
+trains detached while the trigger waits. (The SIGKILL of a
 task process mid-training runs under the real scheduler: test_real_scheduler.py.)"""
 
 from __future__ import annotations
@@ -57,3 +58,21 @@ def test_without_durable_every_try_trains_afresh_into_its_own_mlflow_run(
     runs = client.search_runs([experiment.experiment_id])
     assert sorted(run.info.status for run in runs) == ["FAILED", "FINISHED"]
     assert all("sparktorch_ops.tries" not in run.data.tags for run in runs)
+
+
+def test_a_deferred_training_runs_detached_and_resumes_the_task_with_its_summary(
+    durable_run: Any, directory: Path
+) -> None:
+    """deferrable=True: the try submits the training detached and defers; the trigger watches
+    its run directory (forwarding the ranks' lines to the task log) and the task completes
+    with the same XCom summary as an attached training."""
+    ti = durable_run.task("deferred")
+    assert (ti.state, ti.try_number) == ("success", 1)
+    assert (directory / "deferred" / "trained").read_text() == "try 1\ntry 1\n"  # 2 ranks, once
+    summary = durable_run.xcom("deferred")
+    assert summary["value"] == "trained on try 1" and summary["num_processes"] == 2
+    assert summary["run_id"].startswith("sparktorch-")
+    log = durable_run.log
+    assert "sparktorch_ops: deferring while the training training-" in log
+    assert "/runs/" in log  # its run directory, under the result location
+    assert "rank 1 trained on try 1" in log  # a rank's line, forwarded by the trigger

@@ -499,3 +499,62 @@ def test_metrics_table_has_even_columns() -> None:
         {"step": 0, "rank": 1, "progress": None, "loss": 2.0, "acc": None},
         {"step": 1, "rank": 0, "progress": 1.0, "loss": None, "acc": 0.9},
     ]
+
+
+DETACHED_FLOW = """
+import json, os, sys, time
+from prefect import flow
+from sparktorch_ops.prefect import run_torch_distributor
+
+def train(marks):
+    rank = os.environ["RANK"]
+    open(os.path.join(marks, f"started.rank{rank}.{os.getpid()}"), "w").close()
+    time.sleep(6)
+    return {"rank": int(rank), "pid": os.getpid()}
+
+@flow
+def detached_flow(marks: str, run_dir: str) -> dict:
+    # durable=False: the rerun is another flow run, whose own training id would not match the
+    # directory's; the directory is what it reattaches by.
+    return run_torch_distributor(train, (marks,), num_processes=2, local_mode=True,
+                                 use_gpu=False, detached=True, run_dir=run_dir, durable=False)
+
+if __name__ == "__main__":
+    state = detached_flow(sys.argv[1], sys.argv[2], return_state=True)
+    print("RESULT " + json.dumps({"value": state.result(), "flow_run": str(state.state_details.flow_run_id)}))
+"""
+
+
+def test_a_detached_training_outlives_its_crashed_flow_run_and_the_rerun_reattaches(
+    tmp_path: Path,
+) -> None:
+    """detached=True: the flow run's process is SIGKILLed mid-training; the training goes on,
+    and the rerun (the same run directory) reattaches to it instead of training again, with
+    its summary artifact as an attached run has."""
+    script, marks, run_dir = tmp_path / "flow.py", tmp_path / "marks", tmp_path / "run"
+    script.write_text(DETACHED_FLOW)
+    marks.mkdir()
+    from prefect.settings import PREFECT_API_URL
+
+    command = [sys.executable, str(script), str(marks), str(run_dir)]
+    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}  # this session's server
+    crashed = subprocess.Popen(
+        command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 120
+    while len(list(marks.iterdir())) < 2:
+        assert time.monotonic() < deadline, "the ranks never started"
+        time.sleep(0.1)
+    crashed.kill()
+    crashed.wait(30)
+    rerun = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    line = next((x for x in rerun.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert rerun.returncode == 0 and line is not None, rerun.stderr[-3000:]
+    found = json.loads(line[len("RESULT ") :])
+    assert found["value"]["rank"] == 0
+    assert len(list(marks.iterdir())) == 2  # trained once: the rerun reattached
+    assert f"started.rank0.{found['value']['pid']}" in {p.name for p in marks.iterdir()}
+    artifacts = flow_run_artifacts(UUID(found["flow_run"]))
+    assert ": completed" in artifacts["run-torch-distributor-summary"].data

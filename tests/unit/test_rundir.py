@@ -87,3 +87,34 @@ def test_bad_run_directories_are_clear_config_errors_naming_run_dir(tmp_path: Pa
     (tmp_path / "busy" / "x").write_text("")
     with pytest.raises(RunDirectoryError, match="not empty and holds no run"):
         made(tmp_path / "busy")
+
+
+def test_the_cluster_deploy_mode_command_runs_the_detached_driver_on_yarn_or_kubernetes() -> None:
+    """Spark runs Python drivers in cluster deploy mode on YARN and Kubernetes only: the
+    exact spark-submit that runs the run's detached driver there, and clear refusals where
+    it cannot (a standalone master, a run directory the cluster cannot reach)."""
+    from sparktorch_ops.detached.submit import cluster_submit_argv
+
+    argv = cluster_submit_argv(
+        "hdfs:///runs/n1", "yarn", {"spark.executor.memory": "4g"}, "/tmp/sparktorch_ops.zip"
+    )
+    driver = str(Path(__file__).parents[2] / "sparktorch_ops" / "detached" / "driver.py")
+    assert argv == [
+        "spark-submit", "--master", "yarn", "--deploy-mode", "cluster",
+        "--conf", "spark.executor.memory=4g",
+        "--py-files", "/tmp/sparktorch_ops.zip", driver, "hdfs:///runs/n1",
+    ]  # fmt: skip
+    k8s = cluster_submit_argv("s3a://b/runs/n1", "k8s://https://api:6443", {}, "/z.zip")
+    assert k8s[:5] == [
+        "spark-submit",
+        "--master",
+        "k8s://https://api:6443",
+        "--deploy-mode",
+        "cluster",
+    ]
+    with pytest.raises(ConfigError, match="YARN and Kubernetes only") as info:
+        cluster_submit_argv("hdfs:///runs/n1", "spark://head:7077", {}, "/z.zip")
+    assert info.value.argument == "spark_master"
+    with pytest.raises(ConfigError, match="storage it reaches") as info:
+        cluster_submit_argv("/local/runs/n1", "yarn", {}, "/z.zip")
+    assert info.value.argument == "run_dir"

@@ -1,9 +1,10 @@
-"""Test DAG: durable trainings under ``dag.test()`` (tests/airflow/test_durable.py).
+"""Test DAG: durable and deferred trainings under ``dag.test()`` (tests/airflow/test_durable.py).
 
 ``stored_then_crash`` trains once; its first try then fails in ``post_execute`` (after the
 summary is stored, before Airflow pushes the XCom, as a worker dying there would), and the retry
 returns the stored summary without training. ``not_durable`` fails its first try and trains
-afresh on the second, as before durable retries.
+afresh on the second, as before durable retries. ``deferred`` trains detached while its task
+waits in the trigger (``deferrable=True``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from sparktorch_ops.airflow import TorchDistributorOperator
 
 def count_training(directory: str, try_number: int | str, fail_first: bool) -> str:
     """Append a line to ``<directory>/trained`` per training; fail the first try if asked."""
+    os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "trained"), "a") as handle:
         handle.write(f"try {try_number}\n")
+    print(f"rank {os.environ['RANK']} trained on try {try_number}", flush=True)
     if fail_first and int(try_number) == 1:
         raise RuntimeError("the first try fails")
     return f"trained on try {try_number}"
@@ -57,4 +60,12 @@ with DAG(
         mlflow_tracking_uri="{{ params.mlflow }}",
         mlflow_experiment="sto-not-durable",
         **retry,  # type: ignore[arg-type]
+    )
+    TorchDistributorOperator(
+        task_id="deferred",
+        train=count_training,
+        train_args=["{{ params.dir }}/deferred", "{{ ti.try_number }}", False],
+        num_processes=2,
+        use_gpu=False,
+        deferrable=True,
     )
