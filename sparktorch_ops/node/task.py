@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import itertools
-import json
 import os
 import shutil
 import sys
@@ -26,15 +24,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from sparktorch_ops.data.shards import (
-    ShardFile,
-    epoch_rows_path,
-    shard_name,
-    write_epoch_rows,
-    write_schema_file,
-    write_shards,
-)
-from sparktorch_ops.node import netif, package
+from sparktorch_ops.node import layout, netif, package
 from sparktorch_ops.node.process import marked_processes, terminate_processes
 from sparktorch_ops.node.relay import Relay, RelayedFrame
 from sparktorch_ops.node.warm import (
@@ -47,20 +37,13 @@ from sparktorch_ops.node.warm import (
 )
 from sparktorch_ops.wire import channel
 from sparktorch_ops.wire.env import (
-    DATA_DIR_ENV,
     EPOCH_ROWS_ENV,
-    EPOCH_ROWS_FILE_ENV,
     RUN_ID_ENV,
-    SCHEMA_FILE_ENV,
 )
 from sparktorch_ops.wire.messages import (
-    DATA,
-    IN_STAGE,
-    RDZV,
     STDERR,
     STDOUT,
     Arrived,
-    DataLayout,
     ExitReport,
     Hello,
     RendezvousPort,
@@ -256,15 +239,15 @@ class BarrierTask:
             feed: Callable[[], None] | None = None
             if streamed:
                 assert self.data_schema is not None
-                data_env = streamed_shard_env(workdir, self.data_schema)
+                data_env = layout.streamed_shard_env(workdir, self.data_schema)
                 feed = functools.partial(
-                    self._feed, client, partition, workdir, len(node_plan.ranks)
+                    layout.feed_shards, client, partition, workdir, len(node_plan.ranks)
                 )
             elif self.data_schema is not None:
-                shards = _write_shards(partition, workdir, len(node_plan.ranks))
+                shards = layout.write_task_shards(partition, workdir, len(node_plan.ranks))
                 shard_rows = [shard.rows for shard in shards]
                 client.send_message(ShardSizes(rows=shard_rows))
-                data_env = shard_env(workdir, self.data_schema, shards)
+                data_env = layout.shard_env(workdir, self.data_schema, shards)
             # The port goes through the driver, which every task already talks to: Spark's
             # allGather() would cost about a second (paid only when coordinating in the stage).
             port_message: RendezvousPort | None = None
@@ -283,10 +266,15 @@ class BarrierTask:
             anyone_relays = False
             told = None
             if relay is None:
-                told = self._from_driver(client, port_message, data=not streamed)
+                told = layout.layout_from_driver(
+                    client,
+                    port_message,
+                    data=self.data_schema is not None and not streamed,
+                    coordinate_in_stage=self.coordinate_in_stage,
+                )
             if told is None:  # some task could not reach the driver: agree in the stage
-                port, epoch_rows, anyone_relays = self._agree(
-                    ctx, port_message, shard_rows, relay is not None
+                port, epoch_rows, anyone_relays = layout.agree_in_stage(
+                    ctx, port_message, shard_rows, relay is not None, self.data_schema is not None
                 )
             else:
                 port, epoch_rows = told
@@ -341,78 +329,6 @@ class BarrierTask:
             # The driver hears of it only once the stage is over: end the stage now.
             raise RuntimeError(text)
         return TaskReport(node, host, None, text)
-
-    def _from_driver(
-        self, client: channel.ChannelClient, own: RendezvousPort | None, data: bool = True
-    ) -> tuple[int, int | None] | None:
-        """The rendezvous port (task 0 has its ``own``) and, with DataFrame input and
-        ``data``, the rows per epoch, from the driver; None when the driver says to agree
-        in the stage instead (over Connect, where some task could not reach it)."""
-        # Over Connect task 0 too waits for its port back: the driver's word that every task
-        # reached it, so that none of them waits in the stage for this one.
-        hears_port = own is None or own.port is None or self.coordinate_in_stage
-        wanted = {RDZV} if hears_port else set()
-        if self.data_schema is not None and data:
-            wanted.add(DATA)
-        port, epoch_rows = (own.port or 0) if own is not None else 0, None
-        while wanted:
-            kind, payload = client.recv_frame()
-            if kind == IN_STAGE and self.coordinate_in_stage:
-                return None
-            if kind == RDZV:
-                port_message = RendezvousPort.decode(payload)
-                if port_message.port is None:
-                    raise channel.ChannelError(f"no rendezvous store: {port_message.error}")
-                port = port_message.port
-            elif kind == DATA:
-                layout = DataLayout.decode(payload)
-                if layout.epoch_rows is None:
-                    raise channel.ChannelError(f"no data layout: {layout.error}")
-                epoch_rows = layout.epoch_rows
-            else:
-                raise channel.ChannelError(f"expected the run's layout, got frame {kind}")
-            wanted.discard(kind)
-        return port, epoch_rows
-
-    def _feed(
-        self, client: channel.ChannelClient, partition: Iterable[Any], workdir: str, ranks: int
-    ) -> None:
-        """With the agent started: write the task's shards, report their sizes, and once the
-        driver has every task's, hand the ranks the rows per epoch (the file they wait for)."""
-        shards = _write_shards(partition, workdir, ranks)
-        client.send_message(ShardSizes(rows=[shard.rows for shard in shards]))
-        kind, payload = client.recv_frame()
-        while kind == RDZV:  # the driver tells every task the port, task 0 too
-            kind, payload = client.recv_frame()
-        if kind != DATA:
-            raise channel.ChannelError(f"expected the data layout, got frame {kind}")
-        layout = DataLayout.decode(payload)
-        if layout.epoch_rows is None:
-            raise channel.ChannelError(f"no data layout: {layout.error}")
-        write_epoch_rows(os.path.join(workdir, "data"), layout.epoch_rows)
-
-    def _agree(
-        self, ctx: Any, own: RendezvousPort | None, shard_rows: list[int] | None, relays: bool
-    ) -> tuple[int, int | None, bool]:
-        """The rendezvous port, rows per epoch and whether any task relays, agreed by the
-        tasks themselves: one ``allGather`` of task 0's port and every task's shard sizes."""
-        mine = {
-            "port": own.port if own is not None else None,
-            "error": own.error if own is not None else None,
-            "rows": shard_rows,
-            "relays": relays,
-        }
-        gathered = [json.loads(message) for message in ctx.allGather(json.dumps(mine))]
-        first = gathered[0]
-        if first["port"] is None:
-            raise channel.ChannelError(f"no rendezvous store: {first['error']}")
-        anyone_relays = any(g["relays"] for g in gathered)
-        if self.data_schema is None:
-            return int(first["port"]), None, anyone_relays
-        layout = DataLayout.for_shards({n: g["rows"] for n, g in enumerate(gathered)})
-        if layout.epoch_rows is None:
-            raise channel.ChannelError(f"no data layout: {layout.error}")
-        return int(first["port"]), layout.epoch_rows, anyone_relays
 
     def _agent_command(
         self,
@@ -511,40 +427,6 @@ class BarrierTask:
             # store while it is still shutting down.
             watcher.join(_STORE_HOLD_S)
         return code
-
-
-def _write_shards(partition: Iterable[Any], workdir: str, ranks: int) -> list[ShardFile]:
-    """The task's partition (Arrow record batches) as one shard file per rank of the task."""
-    batches = iter(partition)
-    first = next(batches, None)
-    if first is None:  # an empty partition: schema-only shards (the driver then refuses)
-        return [ShardFile(os.path.join(workdir, shard_name(r)), 0) for r in range(ranks)]
-    directory = os.path.join(workdir, "data")
-    os.makedirs(directory, exist_ok=True)
-    return write_shards(itertools.chain([first], batches), first.schema, directory, ranks)
-
-
-def shard_env(workdir: str, schema_json: str, shards: list[ShardFile]) -> dict[str, str]:
-    """What the ranks of a node need to find their shard (the worker picks its own by
-    ``LOCAL_RANK``), before the rows per epoch are known."""
-    directory = os.path.dirname(shards[0].path)
-    return {
-        DATA_DIR_ENV: directory,
-        SCHEMA_FILE_ENV: write_schema_file(schema_json, workdir),
-    }
-
-
-def streamed_shard_env(workdir: str, schema_json: str) -> dict[str, str]:
-    """What the ranks of a node need to find their shard (by ``LOCAL_RANK``) and to wait for
-    the rows per epoch (:func:`~sparktorch_ops.data.shards.wait_for_epoch_rows`), before the
-    shards are written."""
-    directory = os.path.join(workdir, "data")
-    os.makedirs(directory, exist_ok=True)
-    return {
-        DATA_DIR_ENV: directory,
-        SCHEMA_FILE_ENV: write_schema_file(schema_json, workdir),
-        EPOCH_ROWS_FILE_ENV: epoch_rows_path(directory),
-    }
 
 
 def stage_rows(task: BarrierTask) -> Callable[[Iterable[Any]], Iterator[Any]]:
