@@ -40,7 +40,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,6 +183,69 @@ class _Connection:
         self.nonce = b""  # the challenge sent to this client (empty until sent)
         self.peer: Peer | None = None
         self.opened = time.monotonic()
+
+    def receive(self) -> bool:
+        """Read what the socket has (into the large frame being received, else the buffer);
+        False when the peer has closed the connection."""
+        try:
+            if self.frame is not None:
+                view = memoryview(self.frame)[self.frame_filled :]
+                received = self.sock.recv_into(view, len(view))
+                self.frame_filled += received
+                return received > 0
+            data = self.sock.recv(_READ_SIZE)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return True
+        except OSError:
+            return False
+        self.buffer += data
+        return bool(data)
+
+    def frames(self) -> Generator[tuple[int, bytes | bytearray], None, None]:
+        """The complete frames received, in order. Until the connection has a peer only a
+        HELLO may come; the consumer authenticates it before the next frame is cut, under the
+        rules for an authenticated client.
+
+        Raises:
+            _BadFrame: a frame breaks those rules (the connection must be dropped).
+        """
+        if self.frame is not None:
+            if self.frame_filled == len(self.frame):
+                frame, self.frame = self.frame, None
+                yield self.frame_kind, frame
+            return
+        buffer = self.buffer
+        view = memoryview(buffer)
+        offset = 0
+        try:
+            while len(buffer) - offset >= _HEADER.size:
+                kind, length = _HEADER.unpack_from(buffer, offset)
+                if self.peer is None and (kind != HELLO or length > _MAX_HELLO):
+                    raise _BadFrame("did not start with a valid HELLO")
+                if length > MAX_FRAME:
+                    raise _BadFrame(f"sent a frame of {length} bytes")
+                start = offset + _HEADER.size
+                end = start + length
+                if len(buffer) < end:
+                    if length >= _READ_SIZE and self.peer is not None:
+                        # Received straight into its own buffer from here on.
+                        self.frame = bytearray(length)
+                        self.frame_kind = kind
+                        self.frame_filled = len(buffer) - start
+                        self.frame[: self.frame_filled] = view[start:]
+                        offset = len(buffer)
+                    break
+                payload = bytes(view[start:end])
+                offset = end
+                yield kind, payload
+        finally:
+            view.release()
+            if offset:
+                del buffer[:offset]
+
+
+class _BadFrame(Exception):
+    """A client sent a frame the channel's rules do not allow (the reason)."""
 
 
 class ChannelServer:
@@ -381,64 +444,20 @@ class ChannelServer:
         if conn.handshaking:
             self._handshake(conn)
             return
-        try:
-            if conn.frame is not None:
-                view = memoryview(conn.frame)[conn.frame_filled :]
-                received = conn.sock.recv_into(view, len(view))
-                data = b"" if received == 0 else None
-            else:
-                data = conn.sock.recv(_READ_SIZE)
-        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
-            return
-        except OSError:
-            data, received = b"", 0
-        if data is not None and not data:
+        if not conn.receive():
             self._close(conn)
             return
-        if data is None:
-            conn.frame_filled += received
-            if conn.frame is not None and conn.frame_filled == len(conn.frame):
-                frame, conn.frame = conn.frame, None
-                assert conn.peer is not None  # large frames are only taken after the HELLO
-                self._handler.on_frame(conn.peer, conn.frame_kind, frame)
-            return
-        conn.buffer += data
-        self._parse(conn_id, conn)
-
-    def _parse(self, conn_id: int, conn: _Connection) -> None:
-        buffer = conn.buffer
-        view = memoryview(buffer)
-        offset = 0
+        frames = conn.frames()
         try:
-            while len(buffer) - offset >= _HEADER.size:
-                kind, length = _HEADER.unpack_from(buffer, offset)
-                if conn.peer is None and (kind != HELLO or length > _MAX_HELLO):
-                    self._reject(conn, "did not start with a valid HELLO")
-                    return
-                if length > MAX_FRAME:
-                    self._reject(conn, f"sent a frame of {length} bytes")
-                    return
-                start = offset + _HEADER.size
-                end = start + length
-                if len(buffer) < end:
-                    if length >= _READ_SIZE and conn.peer is not None:
-                        conn.frame = bytearray(length)
-                        conn.frame_kind = kind
-                        conn.frame_filled = len(buffer) - start
-                        conn.frame[: conn.frame_filled] = view[start:]
-                        offset = len(buffer)
-                    break
-                payload = bytes(view[start:end])
-                offset = end
-                if conn.peer is None:
-                    if not self._authenticate(conn_id, conn, payload):
-                        return
-                else:
+            for kind, payload in frames:
+                if conn.peer is not None:
                     self._handler.on_frame(conn.peer, kind, payload)
+                elif not self._authenticate(conn_id, conn, bytes(payload)):
+                    return
+        except _BadFrame as exc:
+            self._reject(conn, str(exc))
         finally:
-            view.release()
-        if offset:
-            del buffer[:offset]
+            frames.close()
 
     def _authenticate(self, conn_id: int, conn: _Connection, payload: bytes) -> bool:
         mac, body = payload[:_MAC], payload[_MAC:]
