@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -124,22 +125,21 @@ class RunWriter:
         """Write how the run ended, after everything pending."""
         self._stop.set()
         self._thread.join()
+        self.flush()  # every line and record first: a reader that sees the end has them all
         if result is not None:
-            state, value = "succeeded", pickle.dumps(result.value)
+            state = "succeeded"
             summary = {"state": state, "error": None, "result": result_fields(result)}
-            self._status["state"] = state
-            self.flush()
-            self.directory.write_end(summary, value=value)
-            return
-        assert error is not None
-        state = _FINAL.get(outcome_of(error).status, "failed")
+            self.directory.write_end(summary, value=pickle.dumps(result.value))
+        else:
+            assert error is not None
+            state = _FINAL.get(outcome_of(error).status, "failed")
+            try:
+                raised = pickle.dumps(error)
+            except Exception:
+                raised = pickle.dumps(SparkTorchError(f"{type(error).__name__}: {error}"))
+            self.directory.write_end({"state": state, "error": str(error)}, error=raised)
         self._status["state"] = state
         self.flush()
-        try:
-            raised = pickle.dumps(error)
-        except Exception:
-            raised = pickle.dumps(SparkTorchError(f"{type(error).__name__}: {error}"))
-        self.directory.write_end({"state": state, "error": str(error)}, error=raised)
 
 
 def result_fields(result: RunResult) -> dict[str, Any]:
@@ -199,10 +199,13 @@ def run(run_dir: str) -> int:
     directory = RunDirectory(run_dir)
     directory.identity()
     writer = RunWriter(directory)
-    logger = logging.getLogger(f"sparktorch_ops.detached.{os.getpid()}")
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    logger.addHandler(_ToRunDirectory(writer))
+    # The package's logger, so that what the library logs outside the run's own logger (the
+    # JVM's lines before the run is attached to them) reaches the run's log too.
+    package_logger = logging.getLogger("sparktorch_ops")
+    package_logger.setLevel(logging.INFO)
+    package_logger.propagate = False
+    package_logger.addHandler(_ToRunDirectory(writer))
+    logger = logging.getLogger("sparktorch_ops.detached.run")
     done = threading.Event()
     try:
         job = job_of(directory, logger, writer.metric, writer.event)
@@ -212,6 +215,7 @@ def run(run_dir: str) -> int:
         result = launch_job(job)
     except BaseException as exc:
         done.set()
+        traceback.print_exc()  # into driver.out, for whoever looks into the run directory
         writer.end(None, exc)
         return 1
     done.set()

@@ -113,6 +113,8 @@ class RunHandle:
         end = self.directory.end()
         if end is not None:
             state = str(end.get("state", state))
+        elif state in ("succeeded", "failed", "cancelled", "timed_out"):
+            state = "finishing"  # its end is being written
         return RunStatus(
             state=state,
             training_id=self.training_id,

@@ -5,7 +5,8 @@
 when the submitting process ends (a worker slot freed, a notebook closed, a task process
 killed). A run directory that already holds the same training is reattached to instead: a
 live or finished run is not trained twice; a lost or failed one gets a new driver, which
-resumes from the training's checkpoints.
+resumes from the training's checkpoints, and so does one being stopped (a cleared task's),
+once it has ended.
 
 Where Spark runs Python drivers on the cluster (YARN and Kubernetes, ``--deploy-mode
 cluster``), :func:`cluster_submit_argv` gives the ``spark-submit`` command that runs the same
@@ -15,12 +16,14 @@ driver there (Spark has no cluster mode for Python applications on a standalone 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -29,7 +32,7 @@ from typing import Any
 import sparktorch_ops
 from sparktorch_ops.detached.driver import DetachedJob
 from sparktorch_ops.detached.handle import RunHandle
-from sparktorch_ops.detached.rundir import RunDirectory, RunDirectoryError
+from sparktorch_ops.detached.rundir import FINAL_STATES, RunDirectory, RunDirectoryError
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.events import PhaseEvent
 from sparktorch_ops.job import CancelToken, TrainingJob
@@ -42,6 +45,9 @@ from sparktorch_ops.wire.payload import FunctionCall
 #: Where detached runs go when no ``run_dir`` is given: ``$SPARKTORCH_RUNS``, else
 #: ``~/.local/state/sparktorch_ops/runs``; each run in ``<root>/<training id>``.
 RUNS_ENV = "SPARKTORCH_RUNS"
+#: Seconds a submit waits for a run asked to stop (a cleared task's) to end before starting
+#: its training over.
+STOPPING_WAIT_S = 120.0
 _CALLBACKS = ("logger", "on_metrics", "on_event")
 # A session's settings that belong to that application alone, not to a new one like it.
 _APPLICATION_CONF = (
@@ -96,6 +102,10 @@ def detached_job(
         f: getattr(job.options, f) for f in LaunchSpec.__dataclass_fields__ if f not in _CALLBACKS
     }
     options["detached"] = False  # its driver runs it in place
+    if job.options.training is not None:
+        # The callback saves into the orchestrator's store, which only the submitting process
+        # reaches; the run's MLflow run id comes back in its result instead.
+        options["training"] = dataclasses.replace(job.options.training, on_mlflow_run=None)
     data = job.data
     if data is not None and data.dataframe is not None:
         path = data_dir()
@@ -168,7 +178,7 @@ def submit_job(
                 "training a directory of its own",
             )
         handle = RunHandle(directory.location)
-        state = handle.status().state
+        state = _state_once_stopped(handle, directory)
         if state not in ("failed", "cancelled", "timed_out", "lost"):
             log.info(
                 "sparktorch_ops: the training %s is already %s in %s: reattached, not "
@@ -191,6 +201,23 @@ def submit_job(
         directory.location,
     )
     return handle
+
+
+def _state_once_stopped(handle: RunHandle, directory: RunDirectory) -> str:
+    """The run's state; a run asked to stop (a cleared task's) is waited for first, so that
+    its training starts over instead of being reattached to as it ends."""
+    state = handle.status().state
+    deadline = time.monotonic() + STOPPING_WAIT_S
+    while state not in FINAL_STATES and directory.cancel_requested() is not None:
+        if time.monotonic() >= deadline:
+            raise RunDirectoryError(
+                directory.location,
+                f"holds a run asked to stop that is still {state} after "
+                f"{STOPPING_WAIT_S:.0f} s: see `sparktorch-ops status {directory.location}`",
+            )
+        time.sleep(0.2)
+        state = handle.status().state
+    return state
 
 
 def _holds_run(directory: RunDirectory) -> bool:

@@ -1,8 +1,8 @@
 """Detached runs in local mode: the training outlives the process that submitted it (SIGKILLed
 mid-run), and another process reattaches through the run directory with the CLI (wait, logs,
 status) or a RunHandle; a second submit reattaches instead of training twice; a cancel written
-into the directory stops the run with nothing left. (On a standalone cluster:
-tests/integration/test_cluster.py.)"""
+into the directory stops the run with nothing left. On the standalone cluster, a detached
+barrier training outlives its SIGKILLed submitter and ``sparktorch-ops wait`` returns its result."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from harness.procs import wait_until_gone
 from sparktorch_ops import TorchDistributor
 from sparktorch_ops.detached import RunHandle
+from tests.support.cluster import Cluster
 
 SCRIPT = """\
 import os, sys, time
@@ -48,23 +49,31 @@ def wait_for(check: object, what: str, timeout: float = 120) -> None:
         time.sleep(0.1)
 
 
-def test_a_detached_run_outlives_its_submitter_and_another_process_waits_for_it(
-    tmp_path: Path,
-) -> None:
+def submitted_then_killed(tmp_path: Path, steps: int, *options: str) -> tuple[Path, Path]:
+    """``run --detached`` of SCRIPT (2 ranks, ``steps`` half-second steps) with ``options``,
+    SIGKILLed while it waits on the run directory, once both ranks have started; the run
+    directory and the folder of the ranks' marks."""
     script, marks, run_dir = tmp_path / "train.py", tmp_path / "marks", tmp_path / "run"
     script.write_text(SCRIPT)
     marks.mkdir()
-    # ``run --detached`` submits, then waits on the run directory: SIGKILL it while it waits.
     submitter = subprocess.Popen(
         [sys.executable, "-m", "sparktorch_ops.cli", "run", "--detached", "--run-dir",
-         str(run_dir), "--num-processes", "2", str(script), "--", str(marks), "8"],
+         str(run_dir), "--num-processes", "2", *options, str(script), "--", str(marks),
+         str(steps)],
         stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    wait_for(lambda: len(list(marks.glob("started.*"))) == 2, "the ranks' start")
+    wait_for(lambda: len(list(marks.glob("started.*"))) == 2, "the ranks' start", timeout=180)
     os.kill(submitter.pid, signal.SIGKILL)
     submitter.wait(30)
+    return run_dir, marks
+
+
+def test_a_detached_run_outlives_its_submitter_and_another_process_waits_for_it(
+    tmp_path: Path,
+) -> None:
+    run_dir, marks = submitted_then_killed(tmp_path, 8)
     assert not RunHandle(run_dir).status().done  # it trains on
 
     waited = cli("wait", str(run_dir))
@@ -78,7 +87,7 @@ def test_a_detached_run_outlives_its_submitter_and_another_process_waits_for_it(
     assert status["state"] == "succeeded" and status["run_dir"] == str(run_dir)
     # The same directory again: reattached, not trained twice.
     again = TorchDistributor(num_processes=2, use_gpu=False, detached=True, run_dir=run_dir)
-    assert again.submit(str(script), str(marks), "8").status().state == "succeeded"
+    assert again.submit(str(tmp_path / "train.py"), str(marks), "8").status().state == "succeeded"
     assert len(list(marks.glob("started.*"))) == 2
     listed = cli("list", "--root", str(tmp_path)).stdout
     assert f"{status['training_id']}\tsucceeded\t{run_dir}" in listed
@@ -89,17 +98,43 @@ def sleep_on_every_rank(seconds: float) -> None:
 
 
 def test_a_cancel_written_into_the_run_directory_stops_the_run(tmp_path: Path) -> None:
-    handle = TorchDistributor(
+    """A cancel stops the run with nothing left; a submit of the same training while it stops
+    (a cleared Airflow task's next try) waits for its end and starts the training over."""
+    distributor = TorchDistributor(
         num_processes=2, use_gpu=False, detached=True, run_dir=tmp_path / "run"
-    ).submit(sleep_on_every_rank, 300)
+    )
+    handle = distributor.submit(sleep_on_every_rank, 300)
     wait_for(lambda: handle.status().state == "running", "the run's start")
-    run_id = handle.events()[0]["run_id"]
+    first_run = handle.events()[0]["run_id"]
+    assert cli("cancel", handle.run_dir).returncode == 0
+    assert not handle.status().done  # still stopping
+    assert distributor.submit(sleep_on_every_rank, 300).run_dir == handle.run_dir
+    assert wait_until_gone(first_run, timeout=30) == []
+    wait_for(lambda: handle.status().state == "running", "the training's start over")
+    runs = {e["run_id"] for e in handle.events() if e.get("run_id")}
+    assert len(runs) == 2, runs
+
     cancelled = cli("cancel", handle.run_dir)
     assert cancelled.returncode == 0, cancelled.stderr
     waited = cli("wait", handle.run_dir)
     assert waited.returncode == 130, (waited.stdout, waited.stderr)  # as run's exit on a cancel
     assert "cancel requested through the run directory" in waited.stderr
     assert handle.status().state == "cancelled"
-    assert wait_until_gone(run_id, timeout=30) == []
+    assert wait_until_gone((runs - {first_run}).pop(), timeout=30) == []
     bad = cli("wait", str(tmp_path / "nowhere"))
     assert bad.returncode == 2 and "run_dir:" in bad.stderr and "does not exist" in bad.stderr
+
+
+def test_a_detached_barrier_training_on_the_standalone_cluster_outlives_its_submitter(
+    tmp_path: Path, standalone_cluster: Cluster
+) -> None:
+    run_dir, marks = submitted_then_killed(tmp_path, 6, "--master", standalone_cluster.master_url)
+
+    waited = cli("wait", str(run_dir))
+    assert waited.returncode == 0, (waited.stdout, waited.stderr)
+    assert "2 ranks finished in" in waited.stdout
+    result = RunHandle(run_dir).result()
+    assert result.mode == "barrier" and result.app_id.startswith("app-")  # the cluster's
+    assert "rank 0 done" in result.value
+    assert len(list(marks.glob("started.*"))) == 2
+    assert wait_until_gone(result.run_id, timeout=30) == []
