@@ -9,7 +9,8 @@ embedded Spark (``local[2]``: two barrier tasks, one DDP rank each) with the tem
 ``input_sql`` selecting every day up to the run's (``DAY``: ``{{ ds }}``, or the day a run
 without a logical date was triggered); each rank trains on its equal share through
 ``sparktorch_ops.data.partition_loader`` (``examples/ddp_train.py``'s ``train_on_partition``),
-warm-starting from the champion and saving a checkpoint every epoch (a retry resumes). The
+warm-starting from the champion and saving a checkpoint every epoch (a retry resumes); it runs
+detached while the task is deferred (``DEFERRABLE``), so it holds no worker slot. The
 driver logs the run to MLflow (experiment ``retrain-digits``; the XCom's ``mlflow_run_id``). The
 trained ``state_dict`` is not JSON, so the operator writes it to its result location and its
 XCom holds the URI; ``evaluate`` scores it on the held-out split, ``publish`` logs the model and
@@ -49,6 +50,10 @@ if EXAMPLES not in sys.path:
 import pipeline  # noqa: E402  (the steps and defaults both pipelines share)
 
 log = logging.getLogger("airflow.task")
+# The training runs detached while its task is deferred: no worker slot is held while it trains
+# (a triggerer watches it; `airflow dags test` runs the trigger in-process). False: it trains
+# in the task's own process, as an attached run.
+DEFERRABLE = True
 # Where the operator writes the trained weights; load_result reads only from under it.
 RESULTS = "{{ params.state }}/runs"
 # The day a run is for: its logical date; a run triggered without one (the default of Airflow
@@ -169,6 +174,7 @@ with DAG(
         result_location=RESULTS,
         timeout=datetime.timedelta(minutes=20),
         execution_timeout=datetime.timedelta(minutes=30),
+        deferrable=DEFERRABLE,
     )
     [data, model] >> train
 

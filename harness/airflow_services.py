@@ -34,6 +34,7 @@ COMPONENTS = {
     "api-server": ["api-server", "--host", "127.0.0.1", "--port", "{port}"],
     "scheduler": ["scheduler"],
     "dag-processor": ["dag-processor"],
+    "triggerer": ["triggerer"],  # runs the triggers of deferred tasks
 }
 FINAL_RUN_STATES = {"success", "failed"}
 
@@ -96,6 +97,20 @@ class AirflowServices:
             raise AssertionError(f"{method} {path}: {response.status_code} {response.text}")
         return response.json() if response.content else None
 
+    def start(self, name: str) -> None:
+        """Start (or start again) the component ``name``; its output goes to ``<name>.log``."""
+        airflow = str(Path(sys.executable).with_name("airflow"))
+        with (self.home / f"{name}.log").open("ab") as log:
+            self.processes[name] = subprocess.Popen(
+                [airflow, *(arg.format(port=self.port) for arg in COMPONENTS[name])],
+                env=self.env,
+                cwd=str(self.home),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
     def check_alive(self) -> None:
         """Fail with a component's log tail when it exited."""
         for name, proc in self.processes.items():
@@ -123,7 +138,7 @@ class AirflowServices:
             health = self.api("GET", "/monitor/health")
             return all(
                 (health.get(part) or {}).get("status") == "healthy"
-                for part in ("metadatabase", "scheduler", "dag_processor")
+                for part in ("metadatabase", "scheduler", "dag_processor", "triggerer")
             )
 
         self.wait_until("the Airflow components to report healthy", healthy, timeout)
@@ -186,22 +201,21 @@ class AirflowServices:
     def task_log(
         self, dag_id: str, run_id: str, task_id: str, try_number: int
     ) -> list[dict[str, Any]]:
-        """The records of a task try's log file (JSON lines, as the task runner writes them)."""
-        path = (
-            self.home
-            / "logs"
-            / f"dag_id={dag_id}"
-            / f"run_id={run_id}"
-            / f"task_id={task_id}"
-            / f"attempt={try_number}.log"
-        )
+        """The records of a task try's log file (JSON lines, as the task runner writes them),
+        then those of its trigger's log files (a deferred try's, one per triggerer that ran it)."""
+        folder = self.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task_id}"
+        paths = [
+            folder / f"attempt={try_number}.log",
+            *sorted(folder.glob(f"attempt={try_number}.log.trigger.*.log")),
+        ]
         records = []
-        for line in path.read_text(errors="replace").splitlines():
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    records.append({"event": line, "level": "unparsed"})
+        for path in paths:
+            for line in path.read_text(errors="replace").splitlines():
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        records.append({"event": line, "level": "unparsed"})
         return records
 
     def stop(self) -> None:
@@ -260,20 +274,9 @@ def running_airflow(
     else:
         shutil.copyfile(migrated_db, home / "airflow.db")
     services = AirflowServices(home, port, env)
-    airflow = str(Path(sys.executable).with_name("airflow"))
     try:
-        for name, args in COMPONENTS.items():
-            log = (home / f"{name}.log").open("wb")
-            services.processes[name] = subprocess.Popen(
-                [airflow, *(arg.format(port=port) for arg in args)],
-                env=env,
-                cwd=str(home),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            log.close()
+        for name in COMPONENTS:
+            services.start(name)
         services.wait_healthy()
         yield services
     finally:

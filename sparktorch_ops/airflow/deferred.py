@@ -13,15 +13,19 @@ trains. The task resumes in ``execute_complete`` with the same XCom summary as a
 - ``execution_timeout`` holds while deferred: the trigger gets the deadline and cancels the
   run when it passes (Airflow's own trigger timeout, a little later, is only the backstop).
 - Marking the deferred task failed or success, or clearing it, calls the trigger's
-  ``on_kill`` (Airflow 3.3): it writes the run's cancel request. ``cleanup()``, called on every
-  exit of the trigger (a triggerer's restart included), never cancels. Airflow 3.1 and 3.2
-  have no ``on_kill`` for triggers: there, ``sparktorch-ops cancel RUN_DIR`` stops the training.
+  ``on_kill`` (Airflow 3.3): it writes the run's cancel request, naming its try. A cleared
+  task's next try may reattach before that request lands (the scheduler can start it first):
+  when its run then ends cancelled by an earlier try's stop, it starts the training over.
+  ``cleanup()``, called on every exit of the trigger (a triggerer's restart included), never
+  cancels. Airflow 3.1 and 3.2 have no ``on_kill`` for triggers: there, ``sparktorch-ops
+  cancel RUN_DIR`` stops the training.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any, NoReturn
@@ -30,10 +34,12 @@ from airflow.providers.common.compat.sdk import AirflowTaskTimeout
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from sparktorch_ops.detached.handle import MAX_POLL_S, RunHandle
+from sparktorch_ops.detached.rundir import RunDirectory
 
 #: Seconds between the trigger's cancel at the deadline and Airflow's own trigger timeout.
 TIMEOUT_MARGIN_S = 60.0
 _CANCEL_WAIT_S = 60.0
+_STOPPED = "the deferred Airflow task was stopped"
 
 
 class TorchTrainingTrigger(BaseTrigger):
@@ -44,15 +50,21 @@ class TorchTrainingTrigger(BaseTrigger):
         deadline: when the task's ``execution_timeout`` runs out (seconds since the epoch);
             the trigger cancels the training then.
         poll_interval: the most seconds between two looks (it starts faster).
+        try_number: the task's try that deferred (named in the cancel request of ``on_kill``).
     """
 
     def __init__(
-        self, run_dir: str, deadline: float | None = None, poll_interval: float = MAX_POLL_S
+        self,
+        run_dir: str,
+        deadline: float | None = None,
+        poll_interval: float = MAX_POLL_S,
+        try_number: int | None = None,
     ) -> None:
         super().__init__()
         self.run_dir = run_dir
         self.deadline = deadline
         self.poll_interval = poll_interval
+        self.try_number = try_number
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """What re-creates this trigger in another triggerer process."""
@@ -62,6 +74,7 @@ class TorchTrainingTrigger(BaseTrigger):
                 "run_dir": self.run_dir,
                 "deadline": self.deadline,
                 "poll_interval": self.poll_interval,
+                "try_number": self.try_number,
             },
         )
 
@@ -95,15 +108,31 @@ class TorchTrainingTrigger(BaseTrigger):
             pause = min(pause * 1.5, self.poll_interval)
 
     def _forward_logs(self, handle: RunHandle, after: int) -> int:
+        """Log the run's lines from chunk ``after`` on, each at its own level."""
         for chunk, record in handle.directory.read("logs", after):
             after = max(after, chunk)
-            self.log.info("%s", record["line"])
+            level = logging.getLevelName(str(record.get("level", "INFO")))
+            self.log.log(level if isinstance(level, int) else logging.INFO, "%s", record["line"])
         return after
 
     async def on_kill(self) -> None:
         """The deferred task was marked failed or success, or cleared: stop the training."""
         handle = await asyncio.to_thread(RunHandle, self.run_dir)
-        await asyncio.to_thread(handle.cancel, "the deferred Airflow task was stopped")
+        await asyncio.to_thread(handle.cancel, stop_reason(self.try_number))
+
+
+def stop_reason(try_number: int | None) -> str:
+    """The cancel request a stopped deferred try writes."""
+    return f"{_STOPPED} (try {try_number})"
+
+
+def stopped_for_an_earlier_try(event: dict[str, Any], try_number: int) -> bool:
+    """Whether the run ended cancelled by another try's stop: the task was cleared while it
+    was deferred, and this next try reattached before the earlier trigger's ``on_kill``."""
+    if event.get("state") != "cancelled" or event.get("timed_out"):
+        return False
+    reason = RunDirectory(event["run_dir"]).cancel_requested() or ""
+    return reason.startswith(_STOPPED) and reason != stop_reason(try_number)
 
 
 def defer_training(operator: Any, job: Any, context: Any) -> NoReturn:
@@ -124,7 +153,7 @@ def defer_training(operator: Any, job: Any, context: Any) -> NoReturn:
         handle.run_dir,
     )
     operator.defer(
-        trigger=TorchTrainingTrigger(handle.run_dir, deadline),
+        trigger=TorchTrainingTrigger(handle.run_dir, deadline, try_number=context["ti"].try_number),
         method_name="execute_complete",
         timeout=timeout,
     )

@@ -241,6 +241,12 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         """The deferred training ended: the same XCom summary as ``execute`` returns."""
         ti: Any = context["ti"]
+        if deferred.stopped_for_an_earlier_try(event, ti.try_number):
+            self.log.info(
+                "sparktorch_ops: the training was stopped for an earlier try of this cleared "
+                "task: starting it over"
+            )
+            return self.execute(context)
         try:
             result = deferred.ended_run(event)
         except SparkTorchError as exc:

@@ -118,13 +118,14 @@ class DagRunOutcome:
         return dict(fields)
 
     def task_log(self, task_id: str) -> str:
-        """The log of ``task_id``: from its start to its final state, as the API logged them."""
+        """The log of ``task_id``: from its start to its final state, as the API logged them
+        (a deferred task's trigger and its resumption included)."""
         ti_id = re.escape(str(self.task(task_id).id))
         start = re.search(rf"Task started [^\n]*ti_id={ti_id}", self.log)
         assert start, f"no start of {task_id} in the log"
-        end = re.search(rf"new_state=\w+[^\n]*ti_id={ti_id}", self.log[start.end() :])
-        assert end, f"no end of {task_id} in the log"
-        return self.log[start.start() : start.end() + end.end()]
+        ends = list(re.finditer(rf"new_state=\w+[^\n]*ti_id={ti_id}", self.log[start.end() :]))
+        assert ends, f"no end of {task_id} in the log"
+        return self.log[start.start() : start.end() + ends[-1].end()]
 
 
 def read_xcom(dag_id: str, run_id: str, task_id: str, key: str = "return_value") -> Any:

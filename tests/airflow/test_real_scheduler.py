@@ -1,11 +1,13 @@
-"""Under Airflow's real components: the scheduler with the LocalExecutor, the DAG processor and
-the API server (harness/airflow_services.py), on SQLite. The example DAG runs on its
-schedule; barrier-mode training is marked failed, times out, and has its task process
-SIGKILLed and is retried (a durable training), and no process of a stopped try is left.
+"""Under Airflow's real components: the scheduler with the LocalExecutor, the DAG processor, the
+API server and the triggerer (harness/airflow_services.py), on SQLite. The example DAG runs on
+its schedule; barrier-mode training is marked failed, times out, and has its task process
+SIGKILLed and is retried (a durable training), and no process of a stopped try is left; a
+deferred training frees its slot, outlives a triggerer's SIGKILL, and stops when cleared.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from harness.airflow_services import (
@@ -27,6 +30,7 @@ from harness.airflow_services import (
 from tests.airflow.conftest import MIGRATED_DB, ROOT, TEST_DAGS
 
 FAULT_DAGS = ("sto_scheduled_mark_failed", "sto_scheduled_timeout", "sto_scheduled_durable")
+DEFERRED_DAGS = ("sto_deferred_train", "sto_deferred_cleared", "sto_deferred_marked")
 ERROR_LEVELS = {"error", "critical", "exception", "fatal"}
 
 
@@ -40,11 +44,15 @@ def airflow_services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Airfl
         "MLFLOW_TRACKING_URI": None,
         # The example DAG, the sweep's three trainings and the fault DAGs run side by side.
         "AIRFLOW__CORE__PARALLELISM": "10",
+        # A triggerer SIGKILLed: its successor takes its triggers over within seconds.
+        "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "1",
+        "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "5",
     }
     dag_files = [
         ROOT / "dags" / "retrain_digits.py",
         ROOT / "dags" / "sweep_digits.py",
         TEST_DAGS / "sto_scheduled.py",
+        TEST_DAGS / "sto_deferred.py",
     ]
     with running_airflow(home, dag_files, extra, migrated_db=MIGRATED_DB) as services:
         yield services
@@ -100,6 +108,50 @@ def fault_runs(
 
 
 @pytest.fixture(scope="module")
+def deferred_runs(
+    airflow_services: AirflowServices, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[RankMarkers, dict[str, str]]]:
+    """The deferred trainings, triggered with the others (they train until told to end, or
+    until cleared), and the one-slot pool the first one and ``sto_deferred_other`` share
+    (a deferred task holds no slot of it: Airflow's default, ``include_deferred=False``).
+    Afterwards any of their runs still going (a test failed) is cancelled: detached, they
+    would outlive Airflow's processes."""
+    from sparktorch_ops.detached import RunHandle
+
+    markers = RankMarkers(tmp_path_factory.mktemp("deferred-markers"))
+    airflow_services.api(
+        "POST", "/pools", {"name": "one_slot", "slots": 1, "include_deferred": False}, ok=(201,)
+    )
+    conf = {"markers": str(markers.path), "mlflow": f"sqlite:///{markers.path / 'mlflow.db'}"}
+    runs = {}
+    for dag_id in (*DEFERRED_DAGS, "sto_deferred_other"):
+        airflow_services.wait_for_dag(dag_id)
+        airflow_services.unpause(dag_id)
+    for dag_id in DEFERRED_DAGS:
+        runs[dag_id] = airflow_services.trigger(dag_id, conf)
+    yield markers, runs
+    handles = [RunHandle(p.parent) for p in airflow_services.home.rglob("run.json")]
+    for handle in handles:
+        handle.cancel("the test is over")
+    for handle in handles:
+        with contextlib.suppress(Exception):  # a cancelled or failed run raises its error
+            handle.wait(timeout=60)
+
+
+def _deferred_and_training(
+    airflow: AirflowServices, markers: RankMarkers, dag_id: str, run_id: str
+) -> list[Path]:
+    """Wait until ``dag_id``'s task is deferred and both its ranks train; their markers."""
+
+    def ready() -> list[Path] | None:
+        found = sorted(markers.path.glob(f"{dag_id}.rank*"))
+        deferred = airflow.task_instance(dag_id, run_id, "train")["state"] == "deferred"
+        return found if deferred and len(found) == 2 else None
+
+    return list(airflow.wait_until(f"{dag_id} deferred and training", ready, 600, every=0.5))
+
+
+@pytest.fixture(scope="module")
 def sweep_run(
     airflow_services: AirflowServices, tmp_path_factory: pytest.TempPathFactory
 ) -> str:
@@ -122,12 +174,12 @@ def _errors(records: list[dict[str, Any]]) -> list[str]:
 
 
 def test_the_example_dag_runs_on_its_schedule(
-    airflow_services: AirflowServices, fault_runs: Any, sweep_run: str
+    airflow_services: AirflowServices, fault_runs: Any, sweep_run: str, deferred_runs: Any
 ) -> None:
     """Unpaused, the scheduler starts the nightly run (catchup=False: the latest interval);
     every task succeeds, the model is registered and promoted, and the logs are clean.
-    (``fault_runs`` and ``sweep_run`` only start the other DAGs first, so that they train
-    alongside.)"""
+    (``fault_runs``, ``sweep_run`` and ``deferred_runs`` only start the other DAGs first, so
+    that they train alongside.)"""
     dag_id = "retrain_digits"
     airflow_services.wait_for_dag(dag_id)
     airflow_services.unpause(dag_id)
@@ -289,3 +341,88 @@ def test_the_sweep_dag_trains_its_learning_rates_at_once(
     previous = record["previous"]
     beats = previous is None or best["metrics"]["accuracy"] > (previous["accuracy"] or 0.0)
     assert record["promoted"] is beats
+
+
+def test_a_deferred_training_frees_its_slot_and_outlives_a_triggerer_killed_mid_training(
+    airflow_services: AirflowServices, deferred_runs: Any
+) -> None:
+    """deferrable=True in a one-slot pool: while the barrier training runs detached, another
+    DAG's task runs in that slot and finishes; the triggerer is SIGKILLed and started again,
+    and its successor sees the same training to its end: one try, one training, one MLflow
+    run, its ranks' lines in the task's log."""
+    from mlflow.tracking import MlflowClient
+
+    markers, runs = deferred_runs
+    dag_id, run_id = "sto_deferred_train", runs["sto_deferred_train"]
+    ranks = _deferred_and_training(airflow_services, markers, dag_id, run_id)
+    other = airflow_services.trigger("sto_deferred_other", {"markers": str(markers.path)})
+    assert airflow_services.wait_for_run("sto_deferred_other", other, timeout=300) == "success"
+    assert airflow_services.task_instance(dag_id, run_id, "train")["state"] == "deferred"
+
+    triggerer = airflow_services.processes["triggerer"]
+    os.killpg(triggerer.pid, signal.SIGKILL)
+    triggerer.wait(30)
+    killed = time.time()
+    airflow_services.start("triggerer")
+    (markers.path / f"{dag_id}.finish").write_text("")
+    assert airflow_services.wait_for_run(dag_id, run_id, timeout=300) == "success"
+    print(f"\ntriggerer SIGKILLed -> the deferred task done: {time.time() - killed:.1f} s")
+    instance = airflow_services.task_instance(dag_id, run_id, "train")
+    assert (instance["state"], instance["try_number"]) == ("success", 1)
+    assert sorted(markers.path.glob(f"{dag_id}.rank*")) == ranks  # trained once
+    xcom = airflow_services.api(
+        "GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/train/xcomEntries/return_value"
+    )["value"]
+    assert xcom["value"]["steps"] > 0 and xcom["mode"] == "barrier"
+    client = MlflowClient(f"sqlite:///{markers.path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("sto-deferred")
+    tracked = client.search_runs([experiment.experiment_id], f"tags.`airflow.run_id` = '{run_id}'")
+    assert [r.info.status for r in tracked] == ["FINISHED"]
+    log = _levels(airflow_services.task_log(dag_id, run_id, "train", 1))
+    assert any(e.startswith("sparktorch_ops: deferring while the training") for _, e in log)
+    # The training's own lines, forwarded by the trigger into the try's trigger logs (by
+    # each triggerer that ran it: from the start again after the restart).
+    started = [e for _, e in log if e.endswith("started 2 ranks in barrier mode")]
+    assert len(started) == 2, log[-30:]
+
+
+def test_clearing_a_deferred_training_stops_it_with_nothing_left(
+    airflow_services: AirflowServices, deferred_runs: Any
+) -> None:
+    """Clearing the deferred task calls its trigger's on_kill: the training's cancel request
+    stops it, and none of its processes is left."""
+    markers, runs = deferred_runs
+    dag_id, run_id = "sto_deferred_cleared", runs["sto_deferred_cleared"]
+    ranks = _deferred_and_training(airflow_services, markers, dag_id, run_id)
+    run_marker = ranks[0].read_text().split()[1]
+    processes = [psutil.Process(int(path.read_text().split()[0])) for path in ranks]
+    airflow_services.api(
+        "POST",
+        f"/dags/{dag_id}/clearTaskInstances",
+        {"dry_run": False, "dag_run_id": run_id, "task_ids": ["train"], "only_failed": False},
+    )
+    gone_after = seconds_until_gone(processes, run_marker, timeout=90)
+    print(f"\ncleared: the deferred training's last process was gone after {gone_after:.1f} s")
+    # The cleared task's next try waits for that stop, then starts the training over.
+    (markers.path / f"{dag_id}.finish").write_text("")
+    assert airflow_services.wait_for_run(dag_id, run_id, timeout=300) == "success"
+    instance = airflow_services.task_instance(dag_id, run_id, "train")
+    assert (instance["state"], instance["try_number"]) == ("success", 2)
+    assert len(list(markers.path.glob(f"{dag_id}.rank*"))) == 4  # trained again, once
+
+
+def test_marking_a_deferred_training_failed_stops_it_with_nothing_left(
+    airflow_services: AirflowServices, deferred_runs: Any
+) -> None:
+    """Marked failed while deferred, the task's trigger writes the cancel request: the training
+    stops, none of its processes is left, and the run fails (no retry)."""
+    markers, runs = deferred_runs
+    dag_id, run_id = "sto_deferred_marked", runs["sto_deferred_marked"]
+    ranks = _deferred_and_training(airflow_services, markers, dag_id, run_id)
+    run_marker = ranks[0].read_text().split()[1]
+    processes = [psutil.Process(int(path.read_text().split()[0])) for path in ranks]
+    airflow_services.mark_failed(dag_id, run_id, "train")
+    gone_after = seconds_until_gone(processes, run_marker, timeout=90)
+    print(f"\nmarked failed: the deferred training's last process was gone after {gone_after:.1f} s")
+    assert airflow_services.wait_for_run(dag_id, run_id, timeout=120) == "failed"
+    assert len(list(markers.path.glob(f"{dag_id}.rank*"))) == 2  # not trained again
