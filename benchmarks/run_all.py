@@ -35,6 +35,8 @@ RESULTS_DIR = BENCH_DIR / "results"
 PAGE = BENCH_DIR / "README.md"
 TOP_README = BENCH_DIR.parent / "README.md"
 ORDER = (
+    "cold_start",
+    "scheduled_task",
     "launch",
     "logs",
     "result",
@@ -48,6 +50,7 @@ ORDER = (
     "served_flow",
     "concurrency",
     "sweep_dag",
+    "deferred",
     "stalls",
 )
 SUMMARY_START = "<!-- bench-summary:start -->"
@@ -62,6 +65,8 @@ def commands(repeats: int, memory_runs: int) -> dict[str, list[str]]:
     """The command line of each benchmark."""
     py = sys.executable
     return {
+        "cold_start": [py, str(BENCH_DIR / "cold_start.py"), "--repeats=3"],
+        "scheduled_task": [py, str(BENCH_DIR / "scheduled_task.py"), "--repeats=3"],
         "launch": [py, str(BENCH_DIR / "launch.py"), f"--repeats={repeats}"],
         "logs": [py, str(BENCH_DIR / "logs.py"), f"--repeats={repeats}"],
         "result": [py, str(BENCH_DIR / "result.py"), f"--repeats={repeats}"],
@@ -77,6 +82,7 @@ def commands(repeats: int, memory_runs: int) -> dict[str, list[str]]:
         "served_flow": [py, str(BENCH_DIR / "served_flow.py")],
         "concurrency": [py, str(BENCH_DIR / "concurrency.py"), f"--repeats={repeats}"],
         "sweep_dag": [py, str(BENCH_DIR / "sweep_dag.py")],
+        "deferred": [py, str(BENCH_DIR / "deferred.py"), "--repeats=3"],
         "stalls": [py, str(BENCH_DIR / "stalls.py"), "--repeats=3"],
     }
 
