@@ -126,13 +126,17 @@ def stop_reason(try_number: int | None) -> str:
     return f"{_STOPPED} (try {try_number})"
 
 
-def stopped_for_an_earlier_try(event: dict[str, Any], try_number: int) -> bool:
-    """Whether the run ended cancelled by another try's stop: the task was cleared while it
-    was deferred, and this next try reattached before the earlier trigger's ``on_kill``."""
+def stopped_for_an_earlier_try(event: dict[str, Any], try_number: int, log: Any) -> bool:
+    """Whether the run ended cancelled by another try's stop (said in ``log``): the task was
+    cleared while it was deferred, and this next try reattached before the earlier trigger's
+    ``on_kill``; the training must start over."""
     if event.get("state") != "cancelled" or event.get("timed_out"):
         return False
     reason = RunDirectory(event["run_dir"]).cancel_requested() or ""
-    return reason.startswith(_STOPPED) and reason != stop_reason(try_number)
+    if not reason.startswith(_STOPPED) or reason == stop_reason(try_number):
+        return False
+    log.info("sparktorch_ops: the training was stopped for an earlier try: starting it over")
+    return True
 
 
 def defer_training(operator: Any, job: Any, context: Any) -> NoReturn:

@@ -57,9 +57,9 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
     timed-out or cancelled training raises :class:`TorchTrainingError` (retried).
 
     **Durable** (:class:`DurableTraining`, Airflow 3.3 on): a task instance's tries are one
-    training: a retry resumes from the latest checkpoint (by default under
-    ``result_location``) into the same MLflow run (docs/durable.md). A tracked run is tagged
-    with the dag, run, task and try; the "MLflow run" extra link opens it.
+    training: a retry resumes from the latest checkpoint (by default under ``result_location``)
+    into the same MLflow run (docs/durable.md), tagged with the dag, run, task and try.
+    **Deferrable**: the training runs detached while the task waits in the triggerer.
 
     Args:
         train: the training function (called on every rank as ``train(*train_args,
@@ -241,12 +241,8 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         """The deferred training ended: the same XCom summary as ``execute`` returns."""
         ti: Any = context["ti"]
-        if deferred.stopped_for_an_earlier_try(event, ti.try_number):
-            self.log.info(
-                "sparktorch_ops: the training was stopped for an earlier try of this cleared "
-                "task: starting it over"
-            )
-            return self.execute(context)
+        if deferred.stopped_for_an_earlier_try(event, ti.try_number, self.log):
+            return self.execute(context)  # a cleared task's: its training starts over
         try:
             result = deferred.ended_run(event)
         except SparkTorchError as exc:

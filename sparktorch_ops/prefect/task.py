@@ -105,8 +105,7 @@ def run_torch_distributor(
         spark_master: the Spark master URL for barrier mode (see :class:`SparkCluster`).
         spark_conf: Spark conf for the session (applied over the cluster block's conf).
         cluster: a :class:`SparkCluster` block, or the name it was saved under.
-        artifact_key: prefix of the artifact keys (lowercase letters, numbers, dashes);
-            default: derived from the task name.
+        artifact_key: the artifacts' key prefix (lowercase, digits, dashes; default: task name).
         artifacts: set False to create no artifacts.
         dataframe, input_sql, input_table, input_path: at most one, the data the ranks train
             on (read with :func:`sparktorch_ops.data.partition_loader`): a DataFrame, or a

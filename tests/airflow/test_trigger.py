@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 import re
 import time
 from pathlib import Path
@@ -57,7 +58,8 @@ def test_on_kill_stops_the_training_and_a_later_try_knows_it_was_not_its_own(
     assert event == {"run_dir": handle.run_dir, "state": "cancelled", "timed_out": False}
     assert wait_until_gone(run_id, timeout=30) == []
     assert handle.directory.cancel_requested() == stop_reason(1)
-    assert stopped_for_an_earlier_try(event, 2)  # a cleared task's try 2 starts it over
-    assert not stopped_for_an_earlier_try(event, 1)  # try 1 was stopped: it fails
+    log = logging.getLogger("test_trigger")
+    assert stopped_for_an_earlier_try(event, 2, log)  # a cleared task's try 2 starts it over
+    assert not stopped_for_an_earlier_try(event, 1, log)  # try 1 was stopped: it fails
     with pytest.raises(TrainingCancelledError, match=re.escape(stop_reason(1))):
         ended_run(event)
