@@ -59,7 +59,6 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
     **Durable** (:class:`DurableTraining`, Airflow 3.3 on): a task instance's tries are one
     training: a retry resumes from the latest checkpoint (by default under ``result_location``)
     into the same MLflow run (docs/durable.md), tagged with the dag, run, task and try.
-    **Deferrable**: the training runs detached while the task waits in the triggerer.
 
     Args:
         train: the training function (called on every rank as ``train(*train_args,
@@ -84,6 +83,7 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
         mlflow_conn_id: Airflow connection holding the MLflow tracking URI, used when
             ``mlflow_tracking_uri`` is not given (default ``mlflow_default``; optional).
         durable: one training across tries (see above); None: the mixin's default.
+        deferrable: train detached while the task waits in the triggerer (docs/detached.md).
         **kwargs: BaseOperator arguments (``task_id``, ``retries``, ``execution_timeout``...).
     """
 

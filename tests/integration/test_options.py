@@ -27,6 +27,7 @@ NOT_OPTIONS = {
     "distributor": {"self", "spark"},
     "operator": {
         "self",
+        "deferrable",
         "train",
         "train_args",
         "train_kwargs",
