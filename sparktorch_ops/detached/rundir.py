@@ -27,6 +27,7 @@ import getpass
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -154,6 +155,18 @@ class RunDirectory:
         }
         self._write(job, "job.pkl")
         self._write(json.dumps(record).encode(), "run.json")
+
+    def child(self, name: str) -> str:
+        """The path or URL of ``name`` inside the directory, for other writers (Spark)."""
+        return f"{self.location.rstrip('/')}/{name}" if self.is_url else self._path(name)
+
+    def remove(self) -> None:
+        """Delete the directory and everything in it (a run that never started)."""
+        if self.is_url:
+            with contextlib.suppress(FileNotFoundError):
+                self._fs.rm(self._root, recursive=True)
+        else:
+            shutil.rmtree(self._root, ignore_errors=True)
 
     def identity(self) -> dict[str, Any]:
         """``run.json``, checked.

@@ -93,11 +93,9 @@ def settings_of(session: Any) -> SparkSettings:
     return SparkSettings(master=sc.master, conf=conf)
 
 
-def detached_job(
-    job: TrainingJob, spark: SparkSettings | None, data_dir: Callable[[], str]
-) -> DetachedJob:
-    """``job`` as ``job.pkl`` holds it. A DataFrame input is written out as Parquet under
-    ``data_dir()`` first (the detached driver has a session of its own to read it with)."""
+def detached_job(job: TrainingJob, spark: SparkSettings | None, input_at: str) -> DetachedJob:
+    """``job`` as ``job.pkl`` holds it. A DataFrame input is read by the detached driver's own
+    session from ``input_at``, where :func:`write_input` puts it."""
     options = {
         f: getattr(job.options, f) for f in LaunchSpec.__dataclass_fields__ if f not in _CALLBACKS
     }
@@ -108,13 +106,23 @@ def detached_job(
         options["training"] = dataclasses.replace(job.options.training, on_mlflow_run=None)
     data = job.data
     if data is not None and data.dataframe is not None:
-        path = data_dir()
-        data.dataframe.write.mode("overwrite").parquet(path)
-        data = DataInput(path=path)
+        data = DataInput(path=input_at)
     settings = None
     if spark is not None and not job.options.local_mode:
         settings = {"master": spark.master, "conf": dict(spark.conf), "app_name": spark.app_name}
     return DetachedJob(job.payload, options, settings, data)
+
+
+def write_input(job: TrainingJob, directory: RunDirectory) -> None:
+    """Write ``job``'s DataFrame input (if any) into the new run's directory, as Parquet; a
+    failure removes the directory (the run never started) and is raised."""
+    if job.data is None or job.data.dataframe is None:
+        return
+    try:
+        job.data.dataframe.write.mode("overwrite").parquet(directory.child("input"))
+    except BaseException:
+        directory.remove()
+        raise
 
 
 def job_of(
@@ -190,9 +198,10 @@ def submit_job(
             return handle
         _start_over(directory)
     else:
-        stored = detached_job(job, spark, lambda: str(Path(directory.location) / "input"))
+        stored = detached_job(job, spark, directory.child("input"))
         identity = {"training_id": training_id or new_training_id(), "mode": job.options.mode}
         directory.create(identity, pickle.dumps(stored))
+        write_input(job, directory)
     _start_driver(directory)
     handle = RunHandle(directory.location)
     log.info(

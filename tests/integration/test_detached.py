@@ -11,12 +11,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from harness.procs import wait_until_gone
 from sparktorch_ops import TorchDistributor
 from sparktorch_ops.detached import RunHandle
+from sparktorch_ops.errors import TrainingCancelledError
 from tests.support.cluster import Cluster
 
 SCRIPT = """\
@@ -97,9 +100,17 @@ def sleep_on_every_rank(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def _run_keeping_error(distributor: TorchDistributor, raised: list[BaseException]) -> None:
+    try:
+        distributor.run(sleep_on_every_rank, 300)
+    except BaseException as exc:
+        raised.append(exc)
+
+
 def test_a_cancel_written_into_the_run_directory_stops_the_run(tmp_path: Path) -> None:
     """A cancel stops the run with nothing left; a submit of the same training while it stops
-    (a cleared Airflow task's next try) waits for its end and starts the training over."""
+    (a cleared Airflow task's next try) waits for its end and starts the training over; a
+    run() waiting on a detached run stops it when cancelled."""
     distributor = TorchDistributor(
         num_processes=2, use_gpu=False, detached=True, run_dir=tmp_path / "run"
     )
@@ -114,8 +125,14 @@ def test_a_cancel_written_into_the_run_directory_stops_the_run(tmp_path: Path) -
     runs = {e["run_id"] for e in handle.events() if e.get("run_id")}
     assert len(runs) == 2, runs
 
-    cancelled = cli("cancel", handle.run_dir)
-    assert cancelled.returncode == 0, cancelled.stderr
+    # A run() waiting on it (reattached) that is cancelled stops it too.
+    raised: list[BaseException] = []
+    waiter = threading.Thread(target=_run_keeping_error, args=(distributor, raised))
+    waiter.start()
+    while waiter.is_alive():  # cancel() is a no-op until run() is waiting
+        distributor.cancel()
+        waiter.join(0.2)
+    assert [type(e) for e in raised] == [TrainingCancelledError], raised
     waited = cli("wait", handle.run_dir)
     assert waited.returncode == 130, (waited.stdout, waited.stderr)  # as run's exit on a cancel
     assert "cancel requested through the run directory" in waited.stderr
@@ -138,3 +155,29 @@ def test_a_detached_barrier_training_on_the_standalone_cluster_outlives_its_subm
     assert "rank 0 done" in result.value
     assert len(list(marks.glob("started.*"))) == 2
     assert wait_until_gone(result.run_id, timeout=30) == []
+
+
+def rows_of_this_rank(batch_size: int) -> int:
+    from sparktorch_ops.data import partition_loader
+
+    return sum(len(batch["x"]) for batch in partition_loader(batch_size))
+
+
+def test_a_dataframe_submitted_detached_is_read_in_an_application_of_its_own(
+    spark: Any, tmp_path: Path
+) -> None:
+    """submit_on_dataframe from a classic session: the DataFrame is written into the run
+    directory, and the detached driver trains on it in an application like the caller's."""
+    frame = spark.range(10).selectExpr("cast(id as float) as x")
+    handle = TorchDistributor(
+        num_processes=2,
+        local_mode=False,
+        use_gpu=False,
+        detached=True,
+        run_dir=tmp_path / "run",
+        spark=spark,
+    ).submit_on_dataframe(rows_of_this_rank, frame, 4)
+    result = handle.wait(timeout=300)
+    assert (result.value, result.input["rows"], result.mode) == (5, 10, "barrier")
+    assert result.app_id != spark.sparkContext.applicationId  # the driver's own application
+    assert sorted(p.suffix for p in (tmp_path / "run" / "input").glob("*.parquet")) != []

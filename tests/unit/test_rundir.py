@@ -14,6 +14,7 @@ import pytest
 from sparktorch_ops import ConfigError
 from sparktorch_ops.detached import RunDirectoryError, RunHandle
 from sparktorch_ops.detached.rundir import LOST_AFTER_S, RunDirectory, state_of
+from sparktorch_ops.errors import SparkTorchError
 
 
 def made(path: Path, training: str = "training-1") -> RunDirectory:
@@ -118,3 +119,60 @@ def test_the_cluster_deploy_mode_command_runs_the_detached_driver_on_yarn_or_kub
     with pytest.raises(ConfigError, match="storage it reaches") as info:
         cluster_submit_argv("/local/runs/n1", "yarn", {}, "/z.zip")
     assert info.value.argument == "run_dir"
+
+
+def test_a_run_directory_behind_fsspec_serves_a_handle_through_a_whole_run() -> None:
+    """An fsspec URL (memory:// here, s3:// in use) holds the same files: a handle follows
+    the run from submitted through running and finishing to its result, and says each state
+    and error plainly (a run not ended, one whose driver vanished, a wait that runs out)."""
+    import pendulum
+
+    from sparktorch_ops.detached.driver import result_fields
+    from sparktorch_ops.detached.handle import RunLostError
+    from sparktorch_ops.results import Attempt, MetricRecord, RunResult
+
+    url = f"memory://runs/{time.time_ns()}"
+    directory = RunDirectory(url)
+    assert directory.is_url and directory.location == url
+    directory.create({"training_id": "training-u", "mode": "barrier"}, pickle.dumps("job"))
+    assert directory.job() == pickle.dumps("job")
+    handle = RunHandle(url)
+    assert repr(handle) == f"RunHandle({url!r})" and handle.status().state == "submitted"
+    with pytest.raises(RunDirectoryError, match="has not ended yet: wait"):
+        handle.result()
+    directory.write_status({"state": "running", "heartbeat": time.time(), "pid": 7})
+    directory.append("metrics", [MetricRecord(0, 1, 1.0, {"loss": 0.5}).to_dict()], 1)
+    directory.append("logs", [{"line": "[rank 0|h] step 1"}], 1)
+    with pytest.raises(TimeoutError, match="is still running"):
+        handle.wait(timeout=0.05)
+    handle.cancel("asked")
+    assert directory.cancel_requested() == "asked"
+    directory.write_status({"state": "succeeded", "heartbeat": time.time()})
+    assert handle.status().state == "finishing"  # final status, its end not written yet
+    now = pendulum.now("UTC")
+    result = RunResult(
+        {"weights": 1}, {0: 0, 1: 0}, {0: "", 1: ""}, [], now, now, "barrier", 2,
+        attempts=(Attempt(1, 2, now.timestamp(), 1.5),),
+    )  # fmt: skip
+    directory.write_end(
+        {"state": "succeeded", "error": None, "result": result_fields(result)},
+        value=pickle.dumps(result.value),
+    )
+    ended = handle.wait(timeout=5)
+    assert (ended.value, ended.num_processes, ended.exit_codes) == ({"weights": 1}, 2, {0: 0, 1: 0})
+    assert ended.attempts[0].number == 1 and ended.metrics[0].values == {"loss": 0.5}
+    assert list(handle.logs()) == ["[rank 0|h] step 1"]
+    handle.cancel("too late")  # an ended run is left as it ended
+    assert directory.cancel_requested() == "asked"
+
+    lost = RunDirectory(f"{url}-lost")
+    lost.create({"training_id": "training-l", "mode": "local"}, pickle.dumps("job"))
+    lost.write_status({"state": "running", "heartbeat": time.time() - LOST_AFTER_S - 1})
+    with pytest.raises(RunLostError, match="was lost: its driver stopped") as info:
+        RunHandle(f"{url}-lost").result()
+    assert pickle.loads(pickle.dumps(info.value)).run_dir == f"{url}-lost"
+    failed = RunDirectory(f"{url}-failed")
+    failed.create({"training_id": "training-f", "mode": "local"}, pickle.dumps("job"))
+    failed.write_end({"state": "timed_out", "error": "timeout=5 ran out"})
+    with pytest.raises(SparkTorchError, match="timed_out: timeout=5 ran out"):
+        RunHandle(f"{url}-failed").result()
