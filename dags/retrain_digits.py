@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -51,9 +52,9 @@ import pipeline  # noqa: E402  (the steps and defaults both pipelines share)
 
 log = logging.getLogger("airflow.task")
 # The training runs detached while its task is deferred: no worker slot is held while it trains
-# (a triggerer watches it; `airflow dags test` runs the trigger in-process). False: it trains
-# in the task's own process, as an attached run.
-DEFERRABLE = True
+# (a triggerer watches it; `airflow dags test` runs the trigger in-process). False (or
+# RETRAIN_DIGITS_DEFERRABLE=false): it trains in the task's own process, as an attached run.
+DEFERRABLE = os.environ.get("RETRAIN_DIGITS_DEFERRABLE", "true").lower() not in ("0", "false")
 # Where the operator writes the trained weights; load_result reads only from under it.
 RESULTS = "{{ params.state }}/runs"
 # The day a run is for: its logical date; a run triggered without one (the default of Airflow

@@ -91,8 +91,17 @@ class AirflowServices:
         return f"http://127.0.0.1:{self.port}"
 
     def api(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200,)) -> Any:
-        """Call the REST API (``/api/v2`` + ``path``); fail on an unexpected status."""
-        response = httpx.request(method, f"{self.url}/api/v2{path}", json=body, timeout=30)
+        """Call the REST API (``/api/v2`` + ``path``); fail on an unexpected status.
+
+        A "Database error" answer is asked again: with several trainings starting at once,
+        SQLite's single writer can keep the API server waiting past its lock timeout, and the
+        request's transaction was rolled back.
+        """
+        for _ in range(5):
+            response = httpx.request(method, f"{self.url}/api/v2{path}", json=body, timeout=30)
+            if response.status_code != 500 or "Database error" not in response.text:
+                break
+            time.sleep(1)
         if response.status_code not in ok:
             raise AssertionError(f"{method} {path}: {response.status_code} {response.text}")
         return response.json() if response.content else None

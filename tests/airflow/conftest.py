@@ -47,6 +47,10 @@ os.environ.update(
     AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT="120",
     AIRFLOW__LOGGING__COLORED_CONSOLE_LOG="False",
     SPARKTORCH_STATE=str(AIRFLOW_HOME / "state"),
+    # Under dag.test() the example trains attached, on this process's Spark session: its
+    # deferred training runs under the real scheduler (test_real_scheduler.py), and a deferred
+    # training under dag.test() in test_durable.py.
+    RETRAIN_DIGITS_DEFERRABLE="false",
 )
 os.environ.pop("AIRFLOW__CORE__SQL_ALCHEMY_CONN", None)
 os.environ.pop("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", None)

@@ -1,6 +1,6 @@
 """Durable trainings under ``dag.test()``: a summary stored before the try died is returned
 by the retry without training; ``durable=False`` trains afresh on every try; a deferred one
-trains detached while the trigger waits, and its ``execution_timeout`` holds while deferred. (The SIGKILL of a
+trains detached while the trigger waits. (The SIGKILL of a
 task process mid-training runs under the real scheduler: test_real_scheduler.py.)"""
 
 from __future__ import annotations
@@ -76,19 +76,3 @@ def test_a_deferred_training_runs_detached_and_resumes_the_task_with_its_summary
     assert "sparktorch_ops: deferring while the training training-" in log
     assert "/runs/" in log  # its run directory, under the result location
     assert "rank 1 trained on try 1" in log  # a rank's line, forwarded by the trigger
-
-
-def test_execution_timeout_holds_while_deferred_and_stops_the_training(
-    durable_run: Any, directory: Path
-) -> None:
-    """The trigger cancels the detached training when the task's execution_timeout runs out:
-    the task fails as timed out and none of the training's processes is left."""
-    from harness.procs import wait_until_gone
-
-    ti = durable_run.task("deferred_timeout")
-    assert ti.state == "failed"
-    assert "the task's execution_timeout ran out: cancelling the training" in durable_run.log
-    assert "AirflowTaskTimeout" in durable_run.log
-    markers = list((directory / "deferred_timeout").iterdir())
-    assert len(markers) == 2  # both ranks trained
-    assert wait_until_gone(markers[0].read_text(), timeout=30) == []

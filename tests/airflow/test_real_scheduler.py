@@ -2,12 +2,14 @@
 API server and the triggerer (harness/airflow_services.py), on SQLite. The example DAG runs on
 its schedule; barrier-mode training is marked failed, times out, and has its task process
 SIGKILLed and is retried (a durable training), and no process of a stopped try is left; a
-deferred training frees its slot, outlives a triggerer's SIGKILL, and stops when cleared.
+deferred training frees its slot, outlives a triggerer's SIGKILL, and stops when cleared,
+marked failed or timed out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -30,7 +32,7 @@ from harness.airflow_services import (
 from tests.airflow.conftest import MIGRATED_DB, ROOT, TEST_DAGS
 
 FAULT_DAGS = ("sto_scheduled_mark_failed", "sto_scheduled_timeout", "sto_scheduled_durable")
-DEFERRED_DAGS = ("sto_deferred_train", "sto_deferred_cleared", "sto_deferred_marked")
+DEFERRED_DAGS = ("sto_deferred_train", "sto_deferred_stopped", "sto_deferred_timeout")
 ERROR_LEVELS = {"error", "critical", "exception", "fatal"}
 
 
@@ -42,6 +44,7 @@ def airflow_services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Airfl
     extra = {
         "SPARKTORCH_STATE": str(home / "state"),
         "MLFLOW_TRACKING_URI": None,
+        "RETRAIN_DIGITS_DEFERRABLE": "true",  # the example as it ships
         # The example DAG, the sweep's three trainings and the fault DAGs run side by side.
         "AIRFLOW__CORE__PARALLELISM": "10",
         # A triggerer SIGKILLed: its successor takes its triggers over within seconds.
@@ -152,9 +155,7 @@ def _deferred_and_training(
 
 
 @pytest.fixture(scope="module")
-def sweep_run(
-    airflow_services: AirflowServices, tmp_path_factory: pytest.TempPathFactory
-) -> str:
+def sweep_run(airflow_services: AirflowServices, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A run of the sweep DAG, one epoch, on a state directory of its own (so that the example
     DAG's run registers the first version of the model), triggered alongside the others."""
     dag_id = "sweep_digits"
@@ -204,6 +205,8 @@ def test_the_example_dag_runs_on_its_schedule(
     assert publish["version"] in (1, "1") and publish["promoted"] is True, publish
 
     train = _levels(airflow_services.task_log(dag_id, run_id, "train", 1))
+    # Deferred, as the example ships: the training's lines come through the trigger's log.
+    assert any(event.startswith("sparktorch_ops: deferring while") for _, event in train)
     rank_lines = [(level, event) for level, event in train if event.startswith("[rank ")]
     assert any(event.startswith("[rank 0|") for _, event in rank_lines), train[-40:]
     # Ranks' stdout at INFO; their stderr (warnings, progress) at WARNING; nothing at ERROR.
@@ -219,7 +222,8 @@ def test_the_example_dag_runs_on_its_schedule(
         warnings = [
             event
             for level, event in _levels(airflow_services.task_log(dag_id, run_id, task_id, 1))
-            if level == "warning" and not event.startswith("[rank ")
+            if level == "warning"
+            and not event.startswith("[rank ")
             # Several applications train at once here: each after the first takes another port.
             and not event.startswith("spark Utils: Service 'SparkUI' could not bind on port")
         ]
@@ -386,43 +390,57 @@ def test_a_deferred_training_frees_its_slot_and_outlives_a_triggerer_killed_mid_
     assert len(started) == 2, log[-30:]
 
 
-def test_clearing_a_deferred_training_stops_it_with_nothing_left(
-    airflow_services: AirflowServices, deferred_runs: Any
-) -> None:
-    """Clearing the deferred task calls its trigger's on_kill: the training's cancel request
-    stops it, and none of its processes is left."""
-    markers, runs = deferred_runs
-    dag_id, run_id = "sto_deferred_cleared", runs["sto_deferred_cleared"]
-    ranks = _deferred_and_training(airflow_services, markers, dag_id, run_id)
+def _stopped(
+    airflow: AirflowServices, markers: RankMarkers, dag_id: str, run_id: str, how: str
+) -> list[Path]:
+    """Wait until the task is deferred and training, stop it ``how`` (``clear`` or
+    ``mark_failed``), and wait until none of that training's processes is left; its markers."""
+    ranks = _deferred_and_training(airflow, markers, dag_id, run_id)
     run_marker = ranks[0].read_text().split()[1]
     processes = [psutil.Process(int(path.read_text().split()[0])) for path in ranks]
-    airflow_services.api(
-        "POST",
-        f"/dags/{dag_id}/clearTaskInstances",
-        {"dry_run": False, "dag_run_id": run_id, "task_ids": ["train"], "only_failed": False},
-    )
+    if how == "clear":
+        airflow.api(
+            "POST",
+            f"/dags/{dag_id}/clearTaskInstances",
+            {"dry_run": False, "dag_run_id": run_id, "task_ids": ["train"], "only_failed": False},
+        )
+    else:
+        airflow.mark_failed(dag_id, run_id, "train")
     gone_after = seconds_until_gone(processes, run_marker, timeout=90)
-    print(f"\ncleared: the deferred training's last process was gone after {gone_after:.1f} s")
-    # The cleared task's next try waits for that stop, then starts the training over.
-    (markers.path / f"{dag_id}.finish").write_text("")
-    assert airflow_services.wait_for_run(dag_id, run_id, timeout=300) == "success"
-    instance = airflow_services.task_instance(dag_id, run_id, "train")
-    assert (instance["state"], instance["try_number"]) == ("success", 2)
-    assert len(list(markers.path.glob(f"{dag_id}.rank*"))) == 4  # trained again, once
+    print(f"\n{how}: the deferred training's last process was gone after {gone_after:.1f} s")
+    return ranks
 
 
-def test_marking_a_deferred_training_failed_stops_it_with_nothing_left(
+def test_clearing_or_marking_a_deferred_training_failed_stops_it_with_nothing_left(
     airflow_services: AirflowServices, deferred_runs: Any
 ) -> None:
-    """Marked failed while deferred, the task's trigger writes the cancel request: the training
-    stops, none of its processes is left, and the run fails (no retry)."""
+    """Clearing the deferred task calls its trigger's on_kill: the cancel request stops the
+    training with none of its processes left, and the next try starts it over (once, even when
+    it reattached before the request landed). Marking that try failed stops it the same way,
+    and the run fails without another try."""
     markers, runs = deferred_runs
-    dag_id, run_id = "sto_deferred_marked", runs["sto_deferred_marked"]
-    ranks = _deferred_and_training(airflow_services, markers, dag_id, run_id)
-    run_marker = ranks[0].read_text().split()[1]
-    processes = [psutil.Process(int(path.read_text().split()[0])) for path in ranks]
-    airflow_services.mark_failed(dag_id, run_id, "train")
-    gone_after = seconds_until_gone(processes, run_marker, timeout=90)
-    print(f"\nmarked failed: the deferred training's last process was gone after {gone_after:.1f} s")
+    dag_id, run_id = "sto_deferred_stopped", runs["sto_deferred_stopped"]
+    first = _stopped(airflow_services, markers, dag_id, run_id, "clear")
+    for path in first:  # try 2's ranks are the ones marked from now on
+        path.unlink()
+    _stopped(airflow_services, markers, dag_id, run_id, "mark_failed")
     assert airflow_services.wait_for_run(dag_id, run_id, timeout=120) == "failed"
-    assert len(list(markers.path.glob(f"{dag_id}.rank*"))) == 2  # not trained again
+    instance = airflow_services.task_instance(dag_id, run_id, "train")
+    assert (instance["state"], instance["try_number"]) == ("failed", 2)
+    assert len(list(markers.path.glob(f"{dag_id}.rank*"))) == 2  # try 2 trained, once
+
+
+def test_execution_timeout_holds_while_deferred_and_stops_the_training(
+    airflow_services: AirflowServices, deferred_runs: Any
+) -> None:
+    """The trigger cancels the detached training when the task's execution_timeout runs out:
+    the task fails as timed out, and none of the training's processes is left."""
+    markers, runs = deferred_runs
+    dag_id, run_id = "sto_deferred_timeout", runs["sto_deferred_timeout"]
+    assert airflow_services.wait_for_run(dag_id, run_id, timeout=300) == "failed"
+    ranks = sorted(markers.path.glob(f"{dag_id}.rank*"))
+    assert len(ranks) == 2, ranks  # both ranks trained before the deadline
+    assert seconds_until_gone([], ranks[0].read_text().split()[1], timeout=60) >= 0
+    records = [json.dumps(r) for r in airflow_services.task_log(dag_id, run_id, "train", 1)]
+    assert any("execution_timeout ran out: cancelling the training" in r for r in records)
+    assert any("AirflowTaskTimeout" in r for r in records), records[-20:]

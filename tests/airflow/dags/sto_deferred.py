@@ -4,12 +4,14 @@
 one-slot pool ``one_slot``; its ranks report a step every half second until the test writes
 ``<markers>/<dag id>.finish`` (so the test decides when it ends: after another DAG's task has
 used the slot, and after a restart of the triggerer). ``sto_deferred_other`` is that other DAG: one task
-in the same pool. ``sto_deferred_cleared`` trains deferred until the test clears it, and
-``sto_deferred_marked`` until the test marks it failed.
+in the same pool. ``sto_deferred_stopped`` trains deferred until the test clears it, and its
+next try until the test marks it failed; ``sto_deferred_timeout`` until its
+``execution_timeout`` runs out.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 
@@ -80,8 +82,11 @@ sto_deferred_train = _train(
     mlflow_tracking_uri="{{ params.mlflow }}",
     mlflow_experiment="sto-deferred",
 )
-sto_deferred_cleared = _train("sto_deferred_cleared")
-sto_deferred_marked = _train("sto_deferred_marked")
+sto_deferred_stopped = _train("sto_deferred_stopped")
+# Long enough for the ranks to start on a loaded machine (the other DAGs train meanwhile).
+sto_deferred_timeout = _train(
+    "sto_deferred_timeout", execution_timeout=datetime.timedelta(seconds=60)
+)
 
 with DAG(
     dag_id="sto_deferred_other",

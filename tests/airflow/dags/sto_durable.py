@@ -4,15 +4,13 @@
 summary is stored, before Airflow pushes the XCom, as a worker dying there would), and the retry
 returns the stored summary without training. ``not_durable`` fails its first try and trains
 afresh on the second, as before durable retries. ``deferred`` trains detached while its task
-waits in the trigger (``deferrable=True``); ``deferred_timeout`` trains until its
-``execution_timeout`` runs out while it is deferred.
+waits in the trigger (``deferrable=True``).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import time
 from typing import Any
 
 import pendulum
@@ -30,14 +28,6 @@ def count_training(directory: str, try_number: int | str, fail_first: bool) -> s
     if fail_first and int(try_number) == 1:
         raise RuntimeError("the first try fails")
     return f"trained on try {try_number}"
-
-
-def sleep_marked(directory: str) -> None:
-    """Write ``<directory>/<pid>``, then sleep (longer than any test waits)."""
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, str(os.getpid())), "w") as handle:
-        handle.write(os.environ["SPARKTORCH_OPS_RUN_ID"])
-    time.sleep(300)
 
 
 def fail_on_the_first_try(context: Any, result: Any) -> None:
@@ -78,13 +68,4 @@ with DAG(
         num_processes=2,
         use_gpu=False,
         deferrable=True,
-    )
-    TorchDistributorOperator(
-        task_id="deferred_timeout",
-        train=sleep_marked,
-        train_args=["{{ params.dir }}/deferred_timeout"],
-        num_processes=2,
-        use_gpu=False,
-        deferrable=True,
-        execution_timeout=datetime.timedelta(seconds=8),
     )
