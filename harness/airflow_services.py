@@ -228,15 +228,17 @@ class AirflowServices:
         return records
 
     def stop(self) -> None:
-        """Stop every component (SIGTERM, then SIGKILL) with everything it started (task
-        processes may run in sessions of their own)."""
+        """Stop every component (SIGTERM, then SIGKILL after a few seconds: nothing of the
+        installation outlives it, so a graceful end buys nothing; a triggerer waits 10 s for
+        its trigger runner) with everything it started (task processes may run in sessions of
+        their own)."""
         started: list[psutil.Process] = []
         for proc in self.processes.values():
             with contextlib.suppress(psutil.Error):
                 started += psutil.Process(proc.pid).children(recursive=True)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 3
         for proc in self.processes.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
