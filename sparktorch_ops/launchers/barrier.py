@@ -231,13 +231,18 @@ def _cancelled_by_spark(message: str) -> bool:
 
 def _summarize(exc: BaseException, message: str) -> tuple[str, str]:
     """(one line, detail) of a failed Spark job: Spark's reason and, when a task raised in
-    Python, that exception's last line; the detail adds the task's Python traceback."""
+    Python, that exception's last line, else why the task ended (an executor lost, ...) when
+    Spark says it on the next line; the detail adds the task's Python traceback."""
     lines = [line for line in message.strip().splitlines() if line.strip()]
     if not lines:
         return _first_line(exc), ""
-    head = lines[0]
-    if head.startswith("An error occurred while calling") and len(lines) > 1:
-        head = lines[1].lstrip(": ")
+    first = 0
+    if lines[0].startswith("An error occurred while calling") and len(lines) > 1:
+        first = 1
+    head = lines[first].lstrip(": ")
+    following = lines[first + 1].strip() if first + 1 < len(lines) else ""
+    if head.endswith("finished unsuccessfully.") and following and _PYTHON_TRACEBACK not in message:
+        head = f"{head} {following}"  # a barrier task's end reason: ExecutorLostFailure (...)
     detail = head
     start = message.rfind(_PYTHON_TRACEBACK)
     if start >= 0:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pendulum
 import pytest
 
+from sparktorch_ops.driver.attempts import infrastructure_cause
 from sparktorch_ops.driver.collector import RunCollector
 from sparktorch_ops.driver.collector.metrics import MAX_METRIC_RECORDS
 from sparktorch_ops.driver.collector.output import (
@@ -232,6 +233,25 @@ def test_a_failed_task_is_summarised_with_its_python_exception() -> None:
     assert head.endswith("... OSError: [Errno 28] No space left on device")
     assert "node/task.py" in detail and "\tat " not in detail
     assert not _cancelled_by_spark(TASK_FAILED)
+
+
+# A barrier task whose executor went away: the reason is on the line after the stage's.
+EXECUTOR_LOST = """An error occurred while calling o95.collectToPython.
+: org.apache.spark.SparkException: Job aborted due to stage failure: Could not recover from a \
+failed barrier ResultStage. Most recent failure reason: Stage failed because barrier task \
+ResultTask(12, 1) finished unsuccessfully.
+ExecutorLostFailure (executor 1 exited caused by one of the running tasks) Reason: Worker lost
+\tat org.apache.spark.scheduler.DAGScheduler.failJobAndIndependentStages(DAGScheduler.scala:3100)
+Driver stacktrace:"""
+
+
+def test_a_barrier_task_lost_with_its_executor_is_summarised_with_why_and_is_curable() -> None:
+    head, _ = _summarize(RuntimeError("unused"), EXECUTOR_LOST)
+    assert head.startswith("org.apache.spark.SparkException: Job aborted due to stage failure")
+    assert head.endswith("finished unsuccessfully. ExecutorLostFailure (executor 1 exited "
+                         "caused by one of the running tasks) Reason: Worker lost")  # fmt: skip
+    # Only Spark knew: the task's node hung up after reporting its agent's exit.
+    assert infrastructure_cause([], {}, {}, head) is not None
 
 
 def test_spark_cancellations_are_recognised() -> None:
