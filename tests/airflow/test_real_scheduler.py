@@ -166,6 +166,24 @@ def sweep_run(airflow_services: AirflowServices, tmp_path_factory: pytest.TempPa
     return run_id
 
 
+@pytest.fixture(scope="module")
+def scheduled_example(airflow_services: AirflowServices) -> str:
+    """The example DAG unpaused: the scheduler starts its nightly run; its id."""
+    dag_id = "retrain_digits"
+    airflow_services.wait_for_dag(dag_id)
+    airflow_services.unpause(dag_id)
+    return dag_id
+
+
+@pytest.fixture(scope="module", autouse=True)
+def everything_trains_alongside(
+    fault_runs: Any, sweep_run: str, deferred_runs: Any, scheduled_example: str
+) -> None:
+    """Whichever test runs first starts every DAG: they train side by side while the tests,
+    one after another, act on them and check them (those that act first; the triggerer's
+    SIGKILL once the example's deferred training is over)."""
+
+
 def _levels(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return [(str(r.get("level", "")).lower(), str(r.get("event", ""))) for r in records]
 
@@ -174,62 +192,44 @@ def _errors(records: list[dict[str, Any]]) -> list[str]:
     return [event for level, event in _levels(records) if level in ERROR_LEVELS]
 
 
-def test_the_example_dag_runs_on_its_schedule(
-    airflow_services: AirflowServices, fault_runs: Any, sweep_run: str, deferred_runs: Any
+def _stopped(
+    airflow: AirflowServices, markers: RankMarkers, dag_id: str, run_id: str, how: str
+) -> list[Path]:
+    """Wait until the task is deferred and training, stop it ``how`` (``clear`` or
+    ``mark_failed``), and wait until none of that training's processes is left; its markers."""
+    ranks = _deferred_and_training(airflow, markers, dag_id, run_id)
+    run_marker = ranks[0].read_text().split()[1]
+    processes = [psutil.Process(int(path.read_text().split()[0])) for path in ranks]
+    if how == "clear":
+        airflow.api(
+            "POST",
+            f"/dags/{dag_id}/clearTaskInstances",
+            {"dry_run": False, "dag_run_id": run_id, "task_ids": ["train"], "only_failed": False},
+        )
+    else:
+        airflow.mark_failed(dag_id, run_id, "train")
+    gone_after = seconds_until_gone(processes, run_marker, timeout=90)
+    print(f"\n{how}: the deferred training's last process was gone after {gone_after:.1f} s")
+    return ranks
+
+
+def test_clearing_or_marking_a_deferred_training_failed_stops_it_with_nothing_left(
+    airflow_services: AirflowServices, deferred_runs: Any
 ) -> None:
-    """Unpaused, the scheduler starts the nightly run (catchup=False: the latest interval);
-    every task succeeds, the model is registered and promoted, and the logs are clean.
-    (``fault_runs``, ``sweep_run`` and ``deferred_runs`` only start the other DAGs first, so
-    that they train alongside.)"""
-    dag_id = "retrain_digits"
-    airflow_services.wait_for_dag(dag_id)
-    airflow_services.unpause(dag_id)
-    run = airflow_services.wait_until(
-        "the scheduled run", lambda: airflow_services.runs(dag_id), 120
-    )[0]
-    assert run["run_type"] == "scheduled"
-    run_id = run["dag_run_id"]
-    assert airflow_services.wait_for_run(dag_id, run_id, timeout=1200) == "success", (
-        airflow_services.task_states(dag_id, run_id)
-    )
-    states = airflow_services.task_states(dag_id, run_id)
-    assert set(states.values()) == {"success"} and len(states) == 5, states
-    finished = airflow_services.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}")
-    print(
-        f"\nretrain_digits under the scheduler: {finished['start_date']} -> {finished['end_date']}"
-    )
-
-    publish = airflow_services.api(
-        "GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/publish/xcomEntries/return_value"
-    )["value"]
-    assert publish["version"] in (1, "1") and publish["promoted"] is True, publish
-
-    train = _levels(airflow_services.task_log(dag_id, run_id, "train", 1))
-    # Deferred, as the example ships: the training's lines come through the trigger's log.
-    assert any(event.startswith("sparktorch_ops: deferring while") for _, event in train)
-    rank_lines = [(level, event) for level, event in train if event.startswith("[rank ")]
-    assert any(event.startswith("[rank 0|") for _, event in rank_lines), train[-40:]
-    # Ranks' stdout at INFO; their stderr (warnings, progress) at WARNING; nothing at ERROR.
-    assert {level for level, _ in rank_lines} <= {"info", "warning"}, rank_lines
-    assert any(level == "info" and "epoch" in event for level, event in rank_lines)
-    for task_id in states:
-        errors = _errors(airflow_services.task_log(dag_id, run_id, task_id, 1))
-        assert errors == [], f"{task_id} succeeded but logged at ERROR: {errors}"
-    # Spark's own lines and MLflow's notices are there, at their levels; what every Spark JVM
-    # warns of as it starts is INFO, and the rest of the example's log has no warning.
-    assert ("info", "spark jvm: Using incubator modules: jdk.incubator.vector") in train
-    for task_id in states:
-        warnings = [
-            event
-            for level, event in _levels(airflow_services.task_log(dag_id, run_id, task_id, 1))
-            if level == "warning"
-            and not event.startswith("[rank ")
-            # Several applications train at once here: each after the first takes another port.
-            and not event.startswith("spark Utils: Service 'SparkUI' could not bind on port")
-        ]
-        assert warnings == [], f"{task_id} logged warnings not about the training: {warnings}"
-    published = _levels(airflow_services.task_log(dag_id, run_id, "publish", 1))
-    assert ("info", "Successfully registered model 'digits-cnn'.") in published, published
+    """Clearing the deferred task calls its trigger's on_kill: the cancel request stops the
+    training with none of its processes left, and the next try starts it over (once, even when
+    it reattached before the request landed). Marking that try failed stops it the same way,
+    and the run fails without another try."""
+    markers, runs = deferred_runs
+    dag_id, run_id = "sto_deferred_stopped", runs["sto_deferred_stopped"]
+    first = _stopped(airflow_services, markers, dag_id, run_id, "clear")
+    for path in first:  # try 2's ranks are the ones marked from now on
+        path.unlink()
+    _stopped(airflow_services, markers, dag_id, run_id, "mark_failed")
+    assert airflow_services.wait_for_run(dag_id, run_id, timeout=120) == "failed"
+    instance = airflow_services.task_instance(dag_id, run_id, "train")
+    assert (instance["state"], instance["try_number"]) == ("failed", 2)
+    assert len(list(markers.path.glob(f"{dag_id}.rank*"))) == 2  # try 2 trained, once
 
 
 def test_marking_a_training_task_failed_stops_every_process_of_the_try(
@@ -314,6 +314,22 @@ def test_a_training_whose_task_process_is_killed_is_continued_by_the_retry(
     print(f"replayed from the checkpoint: {filled or 'nothing was missing'}")
 
 
+def test_execution_timeout_holds_while_deferred_and_stops_the_training(
+    airflow_services: AirflowServices, deferred_runs: Any
+) -> None:
+    """The trigger cancels the detached training when the task's execution_timeout runs out:
+    the task fails as timed out, and none of the training's processes is left."""
+    markers, runs = deferred_runs
+    dag_id, run_id = "sto_deferred_timeout", runs["sto_deferred_timeout"]
+    assert airflow_services.wait_for_run(dag_id, run_id, timeout=300) == "failed"
+    ranks = sorted(markers.path.glob(f"{dag_id}.rank*"))
+    assert len(ranks) == 2, ranks  # both ranks trained before the deadline
+    assert seconds_until_gone([], ranks[0].read_text().split()[1], timeout=60) >= 0
+    records = [json.dumps(r) for r in airflow_services.task_log(dag_id, run_id, "train", 1)]
+    assert any("execution_timeout ran out: cancelling the training" in r for r in records)
+    assert any("AirflowTaskTimeout" in r for r in records), records[-20:]
+
+
 def test_the_sweep_dag_trains_its_learning_rates_at_once(
     airflow_services: AirflowServices, sweep_run: str
 ) -> None:
@@ -348,7 +364,7 @@ def test_the_sweep_dag_trains_its_learning_rates_at_once(
 
 
 def test_a_deferred_training_frees_its_slot_and_outlives_a_triggerer_killed_mid_training(
-    airflow_services: AirflowServices, deferred_runs: Any
+    airflow_services: AirflowServices, deferred_runs: Any, scheduled_example: str
 ) -> None:
     """deferrable=True in a one-slot pool: while the barrier training runs detached, another
     DAG's task runs in that slot and finishes; the triggerer is SIGKILLed and started again,
@@ -359,6 +375,15 @@ def test_a_deferred_training_frees_its_slot_and_outlives_a_triggerer_killed_mid_
     markers, runs = deferred_runs
     dag_id, run_id = "sto_deferred_train", runs["sto_deferred_train"]
     ranks = _deferred_and_training(airflow_services, markers, dag_id, run_id)
+
+    def example_trained() -> bool:  # its log is checked for stray warnings: not this kill's
+        runs = airflow_services.runs(scheduled_example)
+        if not runs:
+            return False
+        states = airflow_services.task_states(scheduled_example, runs[0]["dag_run_id"])
+        return states.get("train") in ("success", "failed", "upstream_failed")
+
+    airflow_services.wait_until("the example's training to end", example_trained, 900)
     other = airflow_services.trigger("sto_deferred_other", {"markers": str(markers.path)})
     assert airflow_services.wait_for_run("sto_deferred_other", other, timeout=300) == "success"
     assert airflow_services.task_instance(dag_id, run_id, "train")["state"] == "deferred"
@@ -390,57 +415,56 @@ def test_a_deferred_training_frees_its_slot_and_outlives_a_triggerer_killed_mid_
     assert len(started) == 2, log[-30:]
 
 
-def _stopped(
-    airflow: AirflowServices, markers: RankMarkers, dag_id: str, run_id: str, how: str
-) -> list[Path]:
-    """Wait until the task is deferred and training, stop it ``how`` (``clear`` or
-    ``mark_failed``), and wait until none of that training's processes is left; its markers."""
-    ranks = _deferred_and_training(airflow, markers, dag_id, run_id)
-    run_marker = ranks[0].read_text().split()[1]
-    processes = [psutil.Process(int(path.read_text().split()[0])) for path in ranks]
-    if how == "clear":
-        airflow.api(
-            "POST",
-            f"/dags/{dag_id}/clearTaskInstances",
-            {"dry_run": False, "dag_run_id": run_id, "task_ids": ["train"], "only_failed": False},
-        )
-    else:
-        airflow.mark_failed(dag_id, run_id, "train")
-    gone_after = seconds_until_gone(processes, run_marker, timeout=90)
-    print(f"\n{how}: the deferred training's last process was gone after {gone_after:.1f} s")
-    return ranks
-
-
-def test_clearing_or_marking_a_deferred_training_failed_stops_it_with_nothing_left(
-    airflow_services: AirflowServices, deferred_runs: Any
+def test_the_example_dag_runs_on_its_schedule(
+    airflow_services: AirflowServices, scheduled_example: str
 ) -> None:
-    """Clearing the deferred task calls its trigger's on_kill: the cancel request stops the
-    training with none of its processes left, and the next try starts it over (once, even when
-    it reattached before the request landed). Marking that try failed stops it the same way,
-    and the run fails without another try."""
-    markers, runs = deferred_runs
-    dag_id, run_id = "sto_deferred_stopped", runs["sto_deferred_stopped"]
-    first = _stopped(airflow_services, markers, dag_id, run_id, "clear")
-    for path in first:  # try 2's ranks are the ones marked from now on
-        path.unlink()
-    _stopped(airflow_services, markers, dag_id, run_id, "mark_failed")
-    assert airflow_services.wait_for_run(dag_id, run_id, timeout=120) == "failed"
-    instance = airflow_services.task_instance(dag_id, run_id, "train")
-    assert (instance["state"], instance["try_number"]) == ("failed", 2)
-    assert len(list(markers.path.glob(f"{dag_id}.rank*"))) == 2  # try 2 trained, once
+    """Unpaused, the scheduler starts the nightly run (catchup=False: the latest interval);
+    every task succeeds, the model is registered and promoted, and the logs are clean. (Last:
+    the other tests act on their DAGs while it runs.)"""
+    dag_id = scheduled_example
+    run = airflow_services.wait_until(
+        "the scheduled run", lambda: airflow_services.runs(dag_id), 120
+    )[0]
+    assert run["run_type"] == "scheduled"
+    run_id = run["dag_run_id"]
+    assert airflow_services.wait_for_run(dag_id, run_id, timeout=1200) == "success", (
+        airflow_services.task_states(dag_id, run_id)
+    )
+    states = airflow_services.task_states(dag_id, run_id)
+    assert set(states.values()) == {"success"} and len(states) == 5, states
+    finished = airflow_services.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}")
+    print(
+        f"\nretrain_digits under the scheduler: {finished['start_date']} -> {finished['end_date']}"
+    )
 
+    publish = airflow_services.api(
+        "GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/publish/xcomEntries/return_value"
+    )["value"]
+    assert publish["version"] in (1, "1") and publish["promoted"] is True, publish
 
-def test_execution_timeout_holds_while_deferred_and_stops_the_training(
-    airflow_services: AirflowServices, deferred_runs: Any
-) -> None:
-    """The trigger cancels the detached training when the task's execution_timeout runs out:
-    the task fails as timed out, and none of the training's processes is left."""
-    markers, runs = deferred_runs
-    dag_id, run_id = "sto_deferred_timeout", runs["sto_deferred_timeout"]
-    assert airflow_services.wait_for_run(dag_id, run_id, timeout=300) == "failed"
-    ranks = sorted(markers.path.glob(f"{dag_id}.rank*"))
-    assert len(ranks) == 2, ranks  # both ranks trained before the deadline
-    assert seconds_until_gone([], ranks[0].read_text().split()[1], timeout=60) >= 0
-    records = [json.dumps(r) for r in airflow_services.task_log(dag_id, run_id, "train", 1)]
-    assert any("execution_timeout ran out: cancelling the training" in r for r in records)
-    assert any("AirflowTaskTimeout" in r for r in records), records[-20:]
+    train = _levels(airflow_services.task_log(dag_id, run_id, "train", 1))
+    # Deferred, as the example ships: the training's lines come through the trigger's log.
+    assert any(event.startswith("sparktorch_ops: deferring while") for _, event in train)
+    rank_lines = [(level, event) for level, event in train if event.startswith("[rank ")]
+    assert any(event.startswith("[rank 0|") for _, event in rank_lines), train[-40:]
+    # Ranks' stdout at INFO; their stderr (warnings, progress) at WARNING; nothing at ERROR.
+    assert {level for level, _ in rank_lines} <= {"info", "warning"}, rank_lines
+    assert any(level == "info" and "epoch" in event for level, event in rank_lines)
+    for task_id in states:
+        errors = _errors(airflow_services.task_log(dag_id, run_id, task_id, 1))
+        assert errors == [], f"{task_id} succeeded but logged at ERROR: {errors}"
+    # Spark's own lines and MLflow's notices are there, at their levels; what every Spark JVM
+    # warns of as it starts is INFO, and the rest of the example's log has no warning.
+    assert ("info", "spark jvm: Using incubator modules: jdk.incubator.vector") in train
+    for task_id in states:
+        warnings = [
+            event
+            for level, event in _levels(airflow_services.task_log(dag_id, run_id, task_id, 1))
+            if level == "warning"
+            and not event.startswith("[rank ")
+            # Several applications train at once here: each after the first takes another port.
+            and not event.startswith("spark Utils: Service 'SparkUI' could not bind on port")
+        ]
+        assert warnings == [], f"{task_id} logged warnings not about the training: {warnings}"
+    published = _levels(airflow_services.task_log(dag_id, run_id, "publish", 1))
+    assert ("info", "Successfully registered model 'digits-cnn'.") in published, published

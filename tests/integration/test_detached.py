@@ -73,29 +73,6 @@ def submitted_then_killed(tmp_path: Path, steps: int, *options: str) -> tuple[Pa
     return run_dir, marks
 
 
-def test_a_detached_run_outlives_its_submitter_and_another_process_waits_for_it(
-    tmp_path: Path,
-) -> None:
-    run_dir, marks = submitted_then_killed(tmp_path, 8)
-    assert not RunHandle(run_dir).status().done  # it trains on
-
-    waited = cli("wait", str(run_dir))
-    assert waited.returncode == 0, (waited.stdout, waited.stderr)
-    assert "2 ranks finished in" in waited.stdout
-    result = RunHandle(run_dir).result()
-    assert "rank 0 done" in result.value and result.num_processes == 2
-    logs = cli("logs", str(run_dir)).stdout
-    assert "[rank 1|" in logs and "rank 1 step 7" in logs
-    status = json.loads(cli("status", str(run_dir)).stdout)
-    assert status["state"] == "succeeded" and status["run_dir"] == str(run_dir)
-    # The same directory again: reattached, not trained twice.
-    again = TorchDistributor(num_processes=2, use_gpu=False, detached=True, run_dir=run_dir)
-    assert again.submit(str(tmp_path / "train.py"), str(marks), "8").status().state == "succeeded"
-    assert len(list(marks.glob("started.*"))) == 2
-    listed = cli("list", "--root", str(tmp_path)).stdout
-    assert f"{status['training_id']}\tsucceeded\t{run_dir}" in listed
-
-
 def sleep_on_every_rank(seconds: float) -> None:
     time.sleep(seconds)
 
@@ -145,16 +122,29 @@ def test_a_cancel_written_into_the_run_directory_stops_the_run(tmp_path: Path) -
 def test_a_detached_barrier_training_on_the_standalone_cluster_outlives_its_submitter(
     tmp_path: Path, standalone_cluster: Cluster
 ) -> None:
-    run_dir, marks = submitted_then_killed(tmp_path, 6, "--master", standalone_cluster.master_url)
+    """``run --detached`` SIGKILLed once its ranks train: the training goes on, and the CLI
+    waits for it, shows its logs and status and lists it from other processes; a submit of
+    the same training reattaches instead of training again."""
+    run_dir, marks = submitted_then_killed(tmp_path, 8, "--master", standalone_cluster.master_url)
+    assert not RunHandle(run_dir).status().done  # it trains on
 
     waited = cli("wait", str(run_dir))
     assert waited.returncode == 0, (waited.stdout, waited.stderr)
     assert "2 ranks finished in" in waited.stdout
     result = RunHandle(run_dir).result()
     assert result.mode == "barrier" and result.app_id.startswith("app-")  # the cluster's
-    assert "rank 0 done" in result.value
-    assert len(list(marks.glob("started.*"))) == 2
+    assert "rank 0 done" in result.value and result.num_processes == 2
     assert wait_until_gone(result.run_id, timeout=30) == []
+    logs = cli("logs", str(run_dir)).stdout
+    assert "[rank 1|" in logs and "rank 1 step 7" in logs
+    status = json.loads(cli("status", str(run_dir)).stdout)
+    assert status["state"] == "succeeded" and status["run_dir"] == str(run_dir)
+    # The same directory again: reattached, not trained twice.
+    again = TorchDistributor(num_processes=2, use_gpu=False, detached=True, run_dir=run_dir)
+    assert again.submit(str(tmp_path / "train.py"), str(marks), "8").status().state == "succeeded"
+    assert len(list(marks.glob("started.*"))) == 2
+    listed = cli("list", "--root", str(tmp_path)).stdout
+    assert f"{status['training_id']}\tsucceeded\t{run_dir}" in listed
 
 
 def rows_of_this_rank(batch_size: int) -> int:
