@@ -1,8 +1,8 @@
-"""Detached runs in local mode: the training outlives the process that submitted it (SIGKILLed
-mid-run), and another process reattaches through the run directory with the CLI (wait, logs,
-status) or a RunHandle; a second submit reattaches instead of training twice; a cancel written
-into the directory stops the run with nothing left. On the standalone cluster, a detached
-barrier training outlives its SIGKILLed submitter and ``sparktorch-ops wait`` returns its result."""
+"""Detached runs: on the standalone cluster, a barrier training outlives the process that
+submitted it (SIGKILLed mid-run), and other processes reattach through the run directory with
+the CLI (wait, logs, status, list) or a RunHandle; a second submit reattaches instead of
+training twice. In local mode, a cancel written into the directory stops the run with nothing
+left; a DataFrame submitted detached is read by the detached driver's own application."""
 
 from __future__ import annotations
 
