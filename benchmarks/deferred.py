@@ -331,7 +331,10 @@ def render(doc: dict[str, Any]) -> str:
         f"minute. Triggerer SIGKILLed and started again: its first record in the try's log "
         f"{pages.num(reattach['start_to_first_record'], 1)} s after its start, the training's "
         f"next line forwarded after {pages.num(reattach['start_to_first_line'], 1)} s "
-        f"({pages.num(reattach['kill_to_first_line'], 1)} s after the kill)."
+        f"({pages.num(reattach['kill_to_first_line'], 1)} s after the kill): Airflow gives a "
+        "dead triggerer's triggers to another once its last heartbeat is "
+        "`[triggerer] triggerer_health_check_threshold` old (30 s by default; "
+        "tests/airflow/test_real_scheduler.py sets 5 s)."
     )
 
 
