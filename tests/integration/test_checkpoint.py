@@ -443,6 +443,22 @@ def test_second_run_resumes_after_the_last_step_and_wins_over_warm_start(
     assert not any("warm-started" in out for out in result.outputs.values())
 
 
+def test_a_ddp_checkpoint_of_2_ranks_resumes_on_1_rank(
+    tmp_path: Path, uninterrupted: tuple[Path, dict[str, Any]]
+) -> None:
+    """An attempt with fewer ranks (min_processes): DDP's state saved by 2 ranks loads on 1."""
+    reference_dir, reference = uninterrupted
+    directory = tmp_path / "ck"
+    shutil.copytree(reference_dir, directory)
+    value = distributor(str(directory), num_processes=1).run(train_ddp, STEPS + 1, 2, None, None)
+    assert value["start"] == STEPS - 1 and value["seen"] == (STEPS + 1) * GLOBAL_BATCH
+    weights = reference["weights"]
+    assert value["weights"].keys() == weights.keys()
+    assert any(not torch.equal(value["weights"][k], weights[k]) for k in weights)  # a step more
+    commit = json.loads((directory / f"step-{STEPS:09d}" / ck.COMMIT_MARKER).read_text())
+    assert commit["world_size"] == 1
+
+
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
 def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint(
     tmp_path: Path, blocking: bool
