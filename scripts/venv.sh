@@ -19,13 +19,18 @@ fi
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   echo "setting up $venv (pinned: requirements/lock.txt)..."
   quiet_pip install -q --upgrade pip
-  quiet_pip install -q -r "$root/requirements/lock.txt"
-  quiet_pip install -q --no-deps -r "$root/requirements/no-deps.txt"
+  # Installed without byte-compiling: compileall below does it on every core (pip uses one).
+  quiet_pip install -q --no-compile -r "$root/requirements/lock.txt"
+  quiet_pip install -q --no-compile --no-deps -r "$root/requirements/no-deps.txt"
   # Repair pyspark if an earlier environment let pyspark-client overwrite its files.
   if ! "$venv/bin/python" -c 'import sys, pyspark.version as v; sys.exit(v.__version__ != "4.3.0")'; then
     quiet_pip uninstall -q -y pyspark-client
     quiet_pip install -q --force-reinstall --no-deps pyspark==4.3.0
   fi
   quiet_pip install -q --no-deps -e "$root"
+  # Some packages ship files for other Python versions that do not compile (pip skips them
+  # too): compileall then exits 1, and the rest is compiled all the same.
+  site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+  "$venv/bin/python" -m compileall -q -q -j 0 "$site" || true
   echo "$want" > "$stamp"
 fi
