@@ -182,21 +182,25 @@ def test_dataframe_input_on_the_standalone_cluster(
 
 
 ATTEMPTS = """
-import os, time
+import os, sys, time
 from pyspark.sql import SparkSession
 from sparktorch_ops import TorchDistributor, ConfigError
+from sparktorch_ops.wire.env import FINGERPRINT_ENV
 
 # The session that starts the JVM passes its settings as Java system properties, which every
 # later session of the process inherits: each case states the settings the others change.
 NEUTRAL = {"spark.dynamicAllocation.enabled": "false", "spark.authenticate": "false",
            "spark.network.crypto.enabled": "false", "spark.ssl.enabled": "false"}
 
-def attempt(python, conf):
+def session(python, conf):
     os.environ["PYSPARK_PYTHON"] = python
     builder = SparkSession.builder.master("local[2]").config("spark.driver.host", "127.0.0.1")
     for key, value in {**NEUTRAL, **conf}.items():
         builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    return builder.getOrCreate()
+
+def attempt(python, conf):
+    spark = session(python, conf)
     started = time.monotonic()
     try:
         TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark).run(print)
@@ -206,7 +210,30 @@ def attempt(python, conf):
     finally:
         spark.stop()
 
-emit({name: attempt(python, conf) for name, (python, conf) in CASES.items()})
+def all_reduce():
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return {"sum": t.item(), "pinned": os.environ.get(FINGERPRINT_ENV, "")}
+
+def encrypted():
+    spark = session(sys.executable, {"spark.authenticate": "true", "spark.authenticate.secret": "s",
+                                     "spark.network.crypto.enabled": "true"})
+    out = {}
+    for opt_out in (False, True):
+        opened = []
+        d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark,
+                             allow_unencrypted_channel=opt_out,
+                             on_event=lambda e: opened.append(e.detail.get("tls"))
+                             if e.name == "channel_open" else None)
+        out[str(opt_out)] = {"value": d.run(all_reduce), "tls": opened}
+    spark.stop()
+    return out
+
+refused = {name: attempt(python, conf) for name, (python, conf) in CASES.items()}
+emit({"refused": refused, "encrypted": encrypted()})
 """
 
 
@@ -245,14 +272,17 @@ def _other_cpython() -> tuple[str, str] | None:
 
 
 @pytest.fixture(scope="module")
-def refused_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, str]:
-    """One driver, a barrier run per case on a fresh local[2] session, each of which must fail
-    with a ConfigError within seconds: dynamic allocation on (before launch); executors on a
-    venv of this Python without torch, on one whose torch raises on import, and on another
-    CPython minor version (when this machine has one), each found by the run's own barrier
-    tasks. Returns each case's ConfigError, the driver's output and the torch-less
-    interpreter."""
-    tmp_path = tmp_path_factory.mktemp("refused-runs")
+def fresh_session_runs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[dict[str, Any], str, str]:
+    """One driver, barrier runs on fresh local[2] sessions. First a run per case, each of
+    which must fail with a ConfigError within seconds: dynamic allocation on (before launch);
+    executors on a venv of this Python without torch, on one whose torch raises on import, and
+    on another CPython minor version (when this machine has one), each found by the run's own
+    barrier tasks. Then a session with Spark's authentication and encryption on. Returns
+    {"refused": each case's ConfigError, "encrypted": the encrypted session's runs}, the
+    driver's output and the torch-less interpreter."""
+    tmp_path = tmp_path_factory.mktemp("fresh-session-runs")
     venv = tmp_path / "no-torch-venv"
     base = getattr(sys, "_base_executable", sys.executable)
     subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
@@ -276,70 +306,44 @@ def refused_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, An
     if other is not None:
         cases["version"] = (other[0], {})
     result, output = run_driver(tmp_path, f"CASES = {cases!r}\n" + ATTEMPTS)
-    for name, case in result.items():
+    for name, case in result["refused"].items():
         assert case["error"] is not None, f"{name}: the barrier run did not fail\n{output[-3000:]}"
         assert case["seconds"] < 60, f"{name}: failed only after {case['seconds']:.0f} s"
     return result, output, bare
 
 
-def test_dynamic_allocation_is_a_clear_error(refused_runs: tuple[dict[str, Any], str, str]) -> None:
+def test_dynamic_allocation_is_a_clear_error(
+    fresh_session_runs: tuple[dict[str, Any], str, str],
+) -> None:
     """Dynamic allocation fails before launch, naming the argument to change."""
-    result, output, _ = refused_runs
+    runs, output, _ = fresh_session_runs
+    result = runs["refused"]
     assert result["dynamic"]["argument"] == "local_mode", output[-3000:]
     assert "dynamicAllocation" in result["dynamic"]["error"]
 
 
-def test_spark_encryption_puts_the_channel_under_tls(tmp_path: Path) -> None:
+def test_spark_encryption_puts_the_channel_under_tls(
+    fresh_session_runs: tuple[dict[str, Any], str, str],
+) -> None:
     """spark.network.crypto.enabled=true: the barrier run's channel is TLS, pinned by the
     fingerprint the ranks carry, and the run returns rank 0's value; the explicit opt-out keeps
     it plain."""
-    result, output = run_driver(
-        tmp_path,
-        """
-import os
-from pyspark.sql import SparkSession
-from sparktorch_ops import TorchDistributor
-from sparktorch_ops.wire.env import FINGERPRINT_ENV
-
-spark = (SparkSession.builder.master("local[2]").config("spark.driver.host", "127.0.0.1")
-         .config("spark.authenticate", "true").config("spark.authenticate.secret", "s")
-         .config("spark.network.crypto.enabled", "true")
-         .config("spark.ui.showConsoleProgress", "false").getOrCreate())
-
-def all_reduce():
-    import torch, torch.distributed as dist
-    dist.init_process_group("gloo")
-    t = torch.tensor([float(dist.get_rank() + 1)])
-    dist.all_reduce(t)
-    dist.destroy_process_group()
-    return {"sum": t.item(), "pinned": os.environ.get(FINGERPRINT_ENV, "")}
-
-out = {}
-for opt_out in (False, True):
-    opened = []
-    d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark,
-                         allow_unencrypted_channel=opt_out,
-                         on_event=lambda e: opened.append(e.detail.get("tls"))
-                         if e.name == "channel_open" else None)
-    value = d.run(all_reduce)
-    out[str(opt_out)] = {"value": value, "tls": opened}
-emit(out)
-""",
-    )
-    encrypted, plain = result["False"], result["True"]
+    runs, output, _ = fresh_session_runs
+    encrypted, plain = runs["encrypted"]["False"], runs["encrypted"]["True"]
     assert encrypted["tls"] == [True], output[-3000:]
     assert encrypted["value"]["sum"] == 3.0 and len(encrypted["value"]["pinned"]) == 64
     assert plain["tls"] == [False] and plain["value"] == {"sum": 3.0, "pinned": ""}
 
 
 def test_executor_python_without_torch_is_a_clear_error(
-    refused_runs: tuple[dict[str, Any], str, str],
+    fresh_session_runs: tuple[dict[str, Any], str, str],
 ) -> None:
     """Executors on a fresh venv of the same Python (no torch, no sparktorch_ops): the run's
     barrier tasks find it before their agents start, and the run fails naming PYSPARK_PYTHON,
     the interpreter and what is missing; one whose torch raises on import likewise, with the
     import's error."""
-    result, output, bare = refused_runs
+    runs, output, bare = fresh_session_runs
+    result = runs["refused"]
     case = result["no_torch"]
     assert case["argument"].startswith("PYSPARK_PYTHON"), output[-3000:]
     assert "PYSPARK_PYTHON" in case["error"] and "No module named 'torch'" in case["error"]
@@ -351,7 +355,7 @@ def test_executor_python_without_torch_is_a_clear_error(
 
 
 def test_executor_python_of_another_version_is_a_clear_error(
-    refused_runs: tuple[dict[str, Any], str, str],
+    fresh_session_runs: tuple[dict[str, Any], str, str],
 ) -> None:
     """Executors on another CPython minor version than the driver: Spark's workers refuse to
     run the barrier tasks, and the run fails naming PYSPARK_PYTHON. Needs such an interpreter
@@ -361,8 +365,8 @@ def test_executor_python_of_another_version_is_a_clear_error(
         pytest.skip(
             "no CPython 3.10-3.13 other than this one's version on PATH or in ~/.pyenv/versions"
         )
-    result, output, _ = refused_runs
-    case = result["version"]
+    runs, output, _ = fresh_session_runs
+    case = runs["refused"]["version"]
     assert case["argument"].startswith("PYSPARK_PYTHON"), output[-3000:]
     assert "PYSPARK_PYTHON" in case["error"]
     assert "another Python version" in case["error"] or f"runs Python {other[1]}" in case["error"]
