@@ -79,6 +79,12 @@ def test_bad_run_directories_are_clear_config_errors_naming_run_dir(tmp_path: Pa
     theirs = made(tmp_path / "theirs")
     os.chown(theirs.location, 65534, 65534)
     refused(tmp_path / "theirs", "belongs to .*another user's run")
+    unnamed = made(tmp_path / "unnamed")
+    os.chown(unnamed.location, 54321, 54321)  # a uid with no name on this machine
+    refused(tmp_path / "unnamed", "belongs to uid 54321, not to")
+    other = made(tmp_path / "other")
+    Path(other.location, "run.json").write_text(json.dumps({"format": 1}))
+    refused(tmp_path / "other", "has a run.json that is not a run's")
     refused("  ", "is empty")
     # A directory of another training is never taken over.
     made(tmp_path / "taken", "training-a")
@@ -88,6 +94,24 @@ def test_bad_run_directories_are_clear_config_errors_naming_run_dir(tmp_path: Pa
     (tmp_path / "busy" / "x").write_text("")
     with pytest.raises(RunDirectoryError, match="not empty and holds no run"):
         made(tmp_path / "busy")
+
+
+def test_corrupt_state_files_of_a_run_are_clear_errors_naming_run_dir(tmp_path: Path) -> None:
+    """A run directory whose status or result a writer left unreadable: the handle says which
+    file, instead of a JSON error or a run that looks submitted."""
+    directory = made(tmp_path / "run")
+    handle = RunHandle(tmp_path / "run")
+    status = Path(directory.location, "status.json")
+    status.write_text("{cut sh")
+    with pytest.raises(RunDirectoryError, match=r"has a corrupt status\.json"):
+        handle.status()
+    status.write_text(json.dumps({"progress": 0.5}))
+    with pytest.raises(RunDirectoryError, match=r"has a status\.json without a state"):
+        handle.status()
+    Path(directory.location, "result.json").write_text("[1, 2")
+    with pytest.raises(RunDirectoryError, match=r"has a corrupt result\.json") as info:
+        directory.end()
+    assert info.value.argument == "run_dir"
 
 
 def test_the_cluster_deploy_mode_command_runs_the_detached_driver_on_yarn_or_kubernetes() -> None:

@@ -1,0 +1,68 @@
+"""The ``sparktorch-ops`` command's checks, run in this process: bad flags are refused naming
+the flag, before anything starts, and a dry run prints the plan (the runs themselves are in
+tests/integration/test_cli.py)."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sparktorch_ops.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_kept() -> Iterator[None]:
+    """``main`` installs its SIGINT/SIGTERM handlers (it owns its process): put pytest's back."""
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text("print('never run')\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--env", "NOVALUE"], "argument --env: expected KEY=VALUE, got 'NOVALUE'"),
+        (["--log-ranks", "a,b"], "argument --log-ranks: expected ranks like 0,1, got 'a,b'"),
+        (["--num-processes", "two"], "argument --num-processes: invalid int value: 'two'"),
+    ],
+)
+def test_a_malformed_flag_is_a_usage_error_naming_it(
+    flags: list[str], named: str, script: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["run", *flags, script])
+    assert info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_bad_values_are_refused_before_spark_starts_naming_the_flag(
+    script: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", "--conf", "nokey", "--dry-run", script]) == 2
+    assert "bad input: --conf: expected KEY=VALUE, got 'nokey'" in capsys.readouterr().err
+    assert main(["run", "--num-processes", "0", "--dry-run", script]) == 2
+    assert "num_processes" in capsys.readouterr().err
+
+
+def test_a_dry_run_on_a_cluster_master_plans_barrier_mode_with_the_script_arguments(
+    script: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A master given and no --local-mode: barrier mode; what follows ``--`` goes to the
+    script."""
+    argv = ["run", "--master", "spark://h:7077", "--num-processes", "2", "--dry-run"]
+    assert main([*argv, script, "--", "--lr=0.1"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["mode"], plan["num_processes"], plan["nodes_count"]) == ("barrier", 2, 2)
+    assert plan["payload"] == f"{script} --lr=0.1 (script)"
