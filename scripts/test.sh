@@ -36,7 +36,7 @@ step() {
 report_coverage() {
   python -m coverage combine -q
   python -m coverage report --format=total | sed 's/^/line coverage of sparktorch_ops, %: /'
-  python -m coverage report --skip-covered --sort=cover | tail -n 40
+  python -m coverage report --skip-covered --sort=-cover | tail -n 40
 }
 
 python=(python)
