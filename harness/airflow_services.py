@@ -229,16 +229,19 @@ class AirflowServices:
 
     def stop(self) -> None:
         """Stop every component (SIGTERM, then SIGKILL after a few seconds: nothing of the
-        installation outlives it, so a graceful end buys nothing; a triggerer waits 10 s for
-        its trigger runner) with everything it started (task processes may run in sessions of
-        their own)."""
+        installation outlives it, so a graceful end buys nothing but coverage data; a triggerer
+        waits 10 s for its trigger runner) with everything it started (task processes may run
+        in sessions of their own)."""
         started: list[psutil.Process] = []
         for proc in self.processes.values():
             with contextlib.suppress(psutil.Error):
                 started += psutil.Process(proc.pid).children(recursive=True)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 3
+        # Under scripts/test.sh --coverage they get the time to end on their own and write what
+        # they measured (the trigger runner's data would be lost with a SIGKILL).
+        grace = 20 if os.environ.get("COVERAGE_FILE") else 3
+        deadline = time.monotonic() + grace
         for proc in self.processes.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
