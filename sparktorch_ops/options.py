@@ -13,7 +13,7 @@ each surface's signature, the field on :class:`~sparktorch_ops.spec.LaunchSpec`.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -290,17 +290,11 @@ OPTIONS: tuple[Option, ...] = (
         surfaces=frozenset({"job"}),
     ),
 )
-_BY_NAME = {option.name: option for option in OPTIONS}
 
 
 def on(surface: Surface) -> tuple[Option, ...]:
     """The options ``surface`` takes, in definition order."""
     return tuple(option for option in OPTIONS if surface in option.surfaces)
-
-
-def option(name: str) -> Option:
-    """The option called ``name``."""
-    return _BY_NAME[name]
 
 
 def values_of(surface: Surface, source: Mapping[str, Any] | object) -> dict[str, Any]:
@@ -370,8 +364,3 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
     if values.get("env") is not None:
         values["env"] = dict(values["env"])
     return values
-
-
-def names(options: Sequence[Option]) -> list[str]:
-    """The options' names."""
-    return [o.name for o in options]
