@@ -56,13 +56,15 @@ def test_bad_values_are_refused_before_spark_starts_naming_the_flag(
     assert "num_processes" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["run", "submit"])
 def test_a_dry_run_on_a_cluster_master_plans_barrier_mode_with_the_script_arguments(
-    script: str, capsys: pytest.CaptureFixture[str]
+    command: str, script: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A master given and no --local-mode: barrier mode; what follows ``--`` goes to the
-    script."""
-    argv = ["run", "--master", "spark://h:7077", "--num-processes", "2", "--dry-run"]
-    assert main([*argv, script, "--", "--lr=0.1"]) == 0
+    """A master given and no --local-mode: barrier mode; --conf reaches the plan (a task's
+    CPUs are its ranks' threads); what follows ``--`` goes to the script."""
+    argv = [command, "--master", "spark://h:7077", "--conf", "spark.task.cpus=2"]
+    assert main([*argv, "--num-processes", "2", "--dry-run", script, "--", "--lr=0.1"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert (plan["mode"], plan["num_processes"], plan["nodes_count"]) == ("barrier", 2, 2)
     assert plan["payload"] == f"{script} --lr=0.1 (script)"
+    assert [node["env"]["OMP_NUM_THREADS"] for node in plan["nodes"]] == ["2", "2"]

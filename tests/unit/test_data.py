@@ -269,6 +269,28 @@ def test_loaders_outside_a_dataframe_run_say_what_to_call(
     assert issubclass(DataError, RuntimeError)
 
 
+def test_bad_loader_arguments_and_environments_are_typed_errors_naming_them(
+    as_rank: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    as_rank(0)
+    for call, argument in [
+        (lambda: data.partition_loader(8, num_workers=-1), "num_workers"),
+        (lambda: data.partition_loader(8, seed="1"), "seed"),
+        (lambda: data.get_spark_partition_data_loader(-1, 8), "num_samples"),
+        (lambda: data.get_spark_partition_data_loader(10, 8, num_workers=-1), "num_workers"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert info.value.argument == argument
+    for raw, problem in [("ten", "is not an integer"), ("-3", "is negative")]:
+        monkeypatch.setenv(EPOCH_ROWS_ENV, raw)
+        with pytest.raises(DataError, match=f"{EPOCH_ROWS_ENV}='{raw}' {problem}"):
+            data.partition_loader(8)
+    monkeypatch.setenv(DATA_FILE_ENV, str(tmp_path))
+    with pytest.raises(DataError, match="which is not a file"):
+        data.partition_loader(8)
+
+
 def test_equal_batch_counts_on_uneven_shards_and_every_row_at_least_once(as_rank: Any) -> None:
     seen: Counter[int] = Counter()
     counts = []

@@ -114,6 +114,18 @@ def test_corrupt_state_files_of_a_run_are_clear_errors_naming_run_dir(tmp_path: 
     assert info.value.argument == "run_dir"
 
 
+def test_a_write_that_fails_leaves_the_previous_state_and_no_partial_file(tmp_path: Path) -> None:
+    """Writes go through a staging file and a rename: when the rename fails, the error is
+    raised and the staging file is gone; ``remove`` deletes a run that never started."""
+    directory = made(tmp_path / "run")
+    (tmp_path / "run" / "status.json").mkdir()  # a rename onto it fails
+    with pytest.raises(OSError):
+        directory.write_status({"state": "running"})
+    assert not list((tmp_path / "run").glob(".writing-*"))
+    directory.remove()
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_cluster_deploy_mode_command_runs_the_detached_driver_on_yarn_or_kubernetes() -> None:
     """Spark runs Python drivers in cluster deploy mode on YARN and Kubernetes only: the
     exact spark-submit that runs the run's detached driver there, and clear refusals where
