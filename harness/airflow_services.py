@@ -28,7 +28,7 @@ import httpx
 import psutil
 
 from harness.ports import free_port
-from harness.procs import alive, processes_with_marker
+from harness.procs import alive, measuring_coverage, processes_with_marker
 
 COMPONENTS = {
     "api-server": ["api-server", "--host", "127.0.0.1", "--port", "{port}"],
@@ -240,7 +240,7 @@ class AirflowServices:
                 os.killpg(proc.pid, signal.SIGTERM)
         # Under scripts/test.sh --coverage they get the time to end on their own and write what
         # they measured (the trigger runner's data would be lost with a SIGKILL).
-        grace = 20 if os.environ.get("COVERAGE_FILE") else 3
+        grace = 20 if measuring_coverage() else 3
         deadline = time.monotonic() + grace
         for proc in self.processes.values():
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -24,6 +24,12 @@ ENV_CONTRACT = (
 )
 
 
+def measuring_coverage() -> bool:
+    """Whether this session runs under ``scripts/test.sh --coverage`` (every Python it starts
+    is measured, and must end on its own to write what it measured)."""
+    return bool(os.environ.get("COVERAGE_PROCESS_CONFIG") or os.environ.get("COVERAGE_FILE"))
+
+
 def processes_with_marker(run_id: str | None = None) -> list[psutil.Process]:
     """Live processes whose environment carries the run marker (any run when run_id is None)."""
     return processes_with_env(RUN_ID_ENV, lambda value: run_id is None or value == run_id)

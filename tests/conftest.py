@@ -160,12 +160,13 @@ def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Connect
     broken (``tests/support/worker_env.py``): every run over Connect trains with the copy the
     client ships.
     """
+    from harness.procs import measuring_coverage
     from tests.support import connect_server as connect_support
     from tests.support import worker_env
 
     directory = tmp_path_factory.mktemp("spark-connect")
     python = worker_env.build(
-        directory / "executor-python", broken=True, coverage=worker_env.measuring_coverage()
+        directory / "executor-python", broken=True, coverage=measuring_coverage()
     )
     with connect_support.running_connect_server(directory, executor_python=python) as s:
         yield s

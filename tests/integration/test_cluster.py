@@ -104,10 +104,11 @@ def standalone_runs(
     (what it emitted, its output, its directory). Its last two applications run their
     executors on interpreters with torch and pyspark only, then with a broken sparktorch_ops
     installed as well (tests/support/worker_env.py)."""
+    from harness.procs import measuring_coverage
     from tests.support import worker_env
 
     tmp_path = tmp_path_factory.mktemp("standalone-driver")
-    coverage = worker_env.measuring_coverage()
+    coverage = measuring_coverage()
     pythons = {
         "missing": worker_env.build(tmp_path / "missing", broken=False, coverage=coverage),
         "broken": worker_env.build(tmp_path / "broken", broken=True, coverage=coverage),

@@ -89,8 +89,3 @@ def build(directory: Path, *, broken: bool, coverage: bool = False) -> str:
     expected = "deliberately broken" if broken else "No module named 'sparktorch_ops'"
     assert expected in check.stderr, check.stderr
     return str(python)
-
-
-def measuring_coverage() -> bool:
-    """Whether this test session runs under ``scripts/test.sh --coverage``."""
-    return bool(os.environ.get("COVERAGE_PROCESS_CONFIG") or os.environ.get("COVERAGE_FILE"))
