@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support import time_budget
+
 ROOT = Path(__file__).resolve().parents[2]
 SUITE = """
 import time
@@ -19,7 +21,7 @@ def test_fast():
 """
 
 
-def run_budgeted(tmp_path: Path, budget: str) -> subprocess.CompletedProcess[str]:
+def run_budgeted(tmp_path: Path, budget: str, *options: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_sample.py").write_text(SUITE)
     return subprocess.run(
         [
@@ -32,6 +34,7 @@ def run_budgeted(tmp_path: Path, budget: str) -> subprocess.CompletedProcess[str
             "-p",
             "no:cacheprovider",
             f"--time-budget={budget}",
+            *options,
             "--rootdir",
             str(tmp_path),
             str(tmp_path / "test_sample.py"),
@@ -49,7 +52,7 @@ def test_a_run_over_its_budget_fails_naming_its_slowest_tests(tmp_path: Path) ->
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "2 passed" in proc.stdout
     assert "test-time budget exceeded" in proc.stdout
-    assert "over its budget of 0 s" in proc.stdout
+    assert "of its budget of 0 s" in proc.stdout
     listed = [line for line in proc.stdout.splitlines() if "test_sample.py::" in line]
     assert listed[0].split()[1:] == ["call", "test_sample.py::test_slow"], listed
     assert float(listed[0].split()[0].rstrip("s")) >= 0.6
@@ -58,4 +61,25 @@ def test_a_run_over_its_budget_fails_naming_its_slowest_tests(tmp_path: Path) ->
 def test_a_run_within_its_budget_passes_and_says_nothing(tmp_path: Path) -> None:
     proc = run_budgeted(tmp_path, "600")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "budget" not in proc.stdout
+    assert "exceeded" not in proc.stdout
+    budget_line = [line for line in proc.stdout.splitlines() if "test-time budget" in line]
+    assert len(budget_line) == 1 and "of its budget of 600 s" in budget_line[0], proc.stdout
+
+
+def test_a_slower_machine_gets_a_proportionally_larger_budget(tmp_path: Path) -> None:
+    ten_times_slower = str(time_budget.REFERENCE_YARDSTICK_S * 10)
+    proc = run_budgeted(tmp_path, "0.3", f"--time-yardstick={ten_times_slower}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "of its budget of 3 s (0 s on the reference machine" in proc.stdout
+    assert "10.00x its time" in proc.stdout
+
+
+def test_a_faster_machine_keeps_the_whole_budget() -> None:
+    half = time_budget.REFERENCE_YARDSTICK_S / 2
+    assert time_budget.scaled_budget(1100, half) == 1100
+    assert time_budget.scaled_budget(1100, None) == 1100
+    assert time_budget.scaled_budget(1100, time_budget.REFERENCE_YARDSTICK_S * 1.5) == 1650
+
+
+def test_the_yardstick_times_a_fixed_workload() -> None:
+    assert 0 < time_budget.yardstick_seconds(repeats=2) < 60
