@@ -216,6 +216,46 @@ def registration_grace(in_process_master: bool, app_age_s: float, waiting_time_s
     return max(0.0, waiting_time_s - app_age_s)
 
 
+def replacement_grace(
+    lost: Sequence[tuple[float, str]],
+    added: Sequence[float],
+    replacement_wait_s: float,
+    *,
+    replacing: bool = False,
+) -> float:
+    """Seconds left to wait for executors the cluster manager is still replacing (pure).
+
+    ``lost`` holds each removed executor's (seconds since its removal, Spark's reason);
+    ``added`` each live executor's seconds since it registered. A standalone worker relaunches
+    an executor whose process died within seconds (YARN and Kubernetes ask for a new one), so a
+    run that starts in that gap waits for it, up to ``replacement_wait_s`` after the loss,
+    rather than failing on a slot that is coming back. A loss with a later registration counts
+    as replaced; a worker lost or a decommission brings nothing back and is not waited for.
+    A later attempt (``replacing``) waits the whole ``replacement_wait_s`` unless every recent
+    loss is of that kind: its own loss may not have reached Spark's status store yet.
+    """
+    recent = [(ago, reason) for ago, reason in lost if ago < replacement_wait_s]
+    # Oldest first, each matched with the first registration after it.
+    unmatched = sorted((ago for ago, reason in recent if not _loses_the_node(reason)), reverse=True)
+    later_registrations = sorted(added, reverse=True)
+    pending: list[float] = []
+    for lost_ago in unmatched:
+        replacement = next((a for a in later_registrations if a < lost_ago), None)
+        if replacement is None:
+            pending.append(lost_ago)
+        else:
+            later_registrations.remove(replacement)
+    if replacing:
+        nodes_gone = recent and all(_loses_the_node(reason) for _, reason in recent)
+        return 0.0 if nodes_gone else replacement_wait_s
+    return max([0.0, *(replacement_wait_s - ago for ago in pending)])
+
+
+def _loses_the_node(reason: str) -> bool:
+    lowered = reason.lower()
+    return "worker lost" in lowered or "decommission" in lowered
+
+
 def tasks_that_fit(
     required_tasks: int, fewest_tasks: int, slots: int, *, waited: bool, wait_s: float | None
 ) -> int:

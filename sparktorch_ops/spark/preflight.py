@@ -19,6 +19,7 @@ from sparktorch_ops.driver.planning import (
     barrier_layout,
     check_slots,
     registration_grace,
+    replacement_grace,
     tasks_that_fit,
 )
 from sparktorch_ops.errors import ConfigError, StartTimeoutError
@@ -32,8 +33,9 @@ if TYPE_CHECKING:
 PYTHON_SETTING = "PYSPARK_PYTHON (or spark.pyspark.python)"
 
 
-#: How long a later attempt waits for lost executors to be replaced when the run sets no
-#: start_timeout (a standalone or YARN cluster relaunches one within seconds).
+#: How long a run that sets no start_timeout waits for lost executors to be replaced: a later
+#: attempt from its start, a new run from the loss (a standalone or YARN cluster relaunches
+#: one within seconds; a slow or busy machine may take tens of seconds).
 REPLACEMENT_WAIT_S = 60.0
 
 
@@ -153,6 +155,32 @@ def _registration_grace_s(sc: SparkContext) -> float:
     return registration_grace(_in_process(sc), app_age_s, waiting_ms / 1000)
 
 
+def _replacement_grace_s(sc: SparkContext, *, replacing: bool) -> float:
+    """How long a run may still wait for executors this application lost recently to be
+    replaced (see planning); Spark's status store keeps the removed ones with their reason."""
+    if _in_process(sc):
+        return REPLACEMENT_WAIT_S if replacing else 0.0
+    now_ms = time.time() * 1000
+    lost: list[tuple[float, str]] = []
+    added: list[float] = []
+    summaries = sc._jsc.sc().statusStore().executorList(False)
+    for index in range(summaries.size()):
+        summary = summaries.apply(index)
+        if summary.id() == "driver":
+            continue
+        if summary.isActive():
+            added.append((now_ms - summary.addTime().getTime()) / 1000)
+        elif summary.removeTime().isDefined():
+            reason = summary.removeReason()
+            lost.append(
+                (
+                    (now_ms - summary.removeTime().get().getTime()) / 1000,
+                    str(reason.get()) if reason.isDefined() else "",
+                )
+            )
+    return replacement_grace(lost, added, REPLACEMENT_WAIT_S, replacing=replacing)
+
+
 def _in_process(sc: SparkContext) -> bool:
     try:
         return parse_master(sc.master or "").in_process
@@ -198,9 +226,11 @@ def wait_for_slots(
 
     First the cluster must have that many slots at all. Without ``start_timeout`` a run waits
     for them only while a just-started application's executors may still be registering
-    (Spark's own start-up wait, cut short once every executor Spark expects is there), and a
-    later attempt (``replacing``) up to :data:`REPLACEMENT_WAIT_S` for lost ones to be
-    replaced; with it, up to ``start_timeout``. When the wait ends short of slots, a run that
+    (Spark's own start-up wait, cut short once every executor Spark expects is there) or while
+    executors it lost moments ago are being replaced (up to :data:`REPLACEMENT_WAIT_S` after
+    the loss), and a later attempt (``replacing``) up to :data:`REPLACEMENT_WAIT_S` for lost
+    ones to be replaced, not at all when its nodes are gone (a worker lost, a decommission);
+    with it, up to ``start_timeout``. When the wait ends short of slots, a run that
     may shrink takes as many as there are. Then, while other jobs of the application hold
     slots (another run's barrier stage, say), the run waits for enough of them to free up
     (saying so once at INFO): up to ``start_timeout``, without it until they do.
@@ -217,9 +247,16 @@ def wait_for_slots(
     if start_timeout is not None:
         wait_s, expected = start_timeout, None
     elif replacing:
-        wait_s = REPLACEMENT_WAIT_S
+        wait_s = _replacement_grace_s(sc, replacing=True)
     else:
-        wait_s = _registration_grace_s(sc)
+        replacement_s = _replacement_grace_s(sc, replacing=False)
+        wait_s = max(_registration_grace_s(sc), replacement_s)
+        if replacement_s > 0 and log is not None and available_slots(sc) < required_tasks:
+            log.info(
+                "sparktorch_ops: an executor of this application was lost moments ago; "
+                "waiting up to %.0f s for the cluster to replace it",
+                replacement_s,
+            )
     deadline = started + wait_s
     while True:
         # Registration first: the slots read after it count every executor it saw.

@@ -106,9 +106,28 @@ def attempts(name, whole_worker, **options):
     outcome["left"] = [" ".join(p.cmdline())[:200] for p in wait_until_gone(result.run_id, timeout=30)]
     return outcome
 
+def slots():
+    jsc = spark.sparkContext._jsc.sc()
+    return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+
+def wait_for_slots(predicate, what):
+    deadline = time.monotonic() + 120
+    while not predicate(slots()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+# Both executors (the one killed above comes back), then one SIGKILLed while no run holds it:
+# the next run starts while the worker relaunches it, and waits for it instead of failing.
+wait_for_slots(lambda n: n == 2, "the killed executor was never replaced")
+idle = [p for p in psutil.process_iter(["cmdline"])
+        if "CoarseGrainedExecutorBackend" in " ".join(p.info["cmdline"] or [])][0]
+idle.kill()
+wait_for_slots(lambda n: n == 1, "the driver never saw the executor go")
+slots_at_start = slots()
 out["executor_lost_then_replaced"] = attempts("executor_lost_then_replaced", False)
+out["executor_lost_then_replaced"]["slots_at_start"] = slots_at_start
 # Last: the cluster keeps one worker (this test's fixture runs after every other test).
-out["worker_lost"] = attempts("worker_lost", True, min_processes=1, start_timeout=10)
+out["worker_lost"] = attempts("worker_lost", True, min_processes=1)
 emit(out)
 """
 
@@ -138,13 +157,17 @@ def test_kill_paths_on_the_standalone_cluster(
 
     # max_failures=1: the executor under rank 1 SIGKILLed after step 2's checkpoint; the
     # worker relaunches it and the second attempt resumes on both ranks.
+    # It started while the worker relaunched an executor killed just before: it waited for it.
     replaced = result["executor_lost_then_replaced"]
     assert "error" not in replaced, (replaced, output[-4000:])
+    assert replaced["slots_at_start"] == 1
     assert replaced["value"]["start"] == 2 and replaced["value"]["ran"] == [3, 4, 5]
     assert replaced["value"]["total"] == 15.0 and replaced["value"]["world"] == 2
     assert replaced["steps"] == [0, 1, 2, 3, 4, 5]  # every step's metric
     first, second = replaced["attempts"]
-    assert "was lost" in first["cause"] or "SIGKILL" in first["cause"], first
+    # Which side tells first depends on the machine's speed: the task's connection dropping
+    # ("was lost"), the rank's signal, or Spark's job error ("lost an executor").
+    assert any(cause in first["cause"] for cause in ("was lost", "SIGKILL", "lost an executor"))
     assert (second["resumed_from"], second["num_processes"], second["cause"]) == (2, 2, None)
     assert replaced["left"] == []
     # The worker killed with its executor: no slot comes back, and min_processes=1 lets the
@@ -158,5 +181,5 @@ def test_kill_paths_on_the_standalone_cluster(
     print(
         "\nexecutor SIGKILLed -> ranks training again: "
         f"{replaced['training_again_after_s']:.1f} s (replaced), "
-        f"{lost['training_again_after_s']:.1f} s (worker lost, one rank after start_timeout)"
+        f"{lost['training_again_after_s']:.1f} s (worker lost: one rank, without waiting for it)"
     )

@@ -82,6 +82,38 @@ def test_in_process_masters_get_no_registration_grace() -> None:
     assert planning.registration_grace(False, app_age_s=45, waiting_time_s=30) == 0
 
 
+def test_a_run_waits_for_an_executor_lost_moments_ago_until_it_is_replaced() -> None:
+    died = "Command exited with code 137"
+    # Lost 5 s ago, nothing registered since: wait the rest of the minute.
+    assert planning.replacement_grace([(5, died)], [300], 60) == 55
+    # Replaced 1 s ago: nothing to wait for.
+    assert planning.replacement_grace([(5, died)], [300, 1], 60) == 0
+    # Two lost, one replaced so far: wait for the one still missing (the newest loss).
+    assert planning.replacement_grace([(20, died), (8, died)], [10], 60) == 52
+    # Too long ago, or a loss that brings nothing back.
+    assert planning.replacement_grace([(75, died)], [300], 60) == 0
+    assert (
+        planning.replacement_grace([(2, "worker lost: 127.0.0.1:1 got disassociated")], [], 60) == 0
+    )
+    assert planning.replacement_grace([(2, "Executor decommission: spot")], [], 60) == 0
+    assert planning.replacement_grace([], [1], 60) == 0
+
+
+def test_a_later_attempt_waits_for_replacements_but_not_for_nodes_that_are_gone() -> None:
+    worker_lost = "worker lost: 127.0.0.1:1 got disassociated"
+    # Its own loss may not be in Spark's status store yet: the whole wait, ended by the slots.
+    assert planning.replacement_grace([], [300], 60, replacing=True) == 60
+    assert (
+        planning.replacement_grace([(1, "Command exited with code 137")], [], 60, replacing=True)
+        == 60
+    )
+    # Only nodes gone (a spot node reclaimed, a worker killed): shrink now.
+    assert planning.replacement_grace([(1, worker_lost)], [300], 60, replacing=True) == 0
+    assert planning.replacement_grace([(2, "Executor decommission.")], [], 60, replacing=True) == 0
+    # A node loss long ago says nothing about this attempt's.
+    assert planning.replacement_grace([(90, worker_lost)], [300], 60, replacing=True) == 60
+
+
 def test_expected_executors_from_instances_or_local_cluster() -> None:
     assert preflight.expected_executors("local-cluster[2,1,1024]", None) == 2
     assert preflight.expected_executors("yarn", "4") == 4
