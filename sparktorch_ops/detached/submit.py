@@ -9,8 +9,9 @@ resumes from the training's checkpoints, and so does one being stopped (a cleare
 once it has ended.
 
 Where Spark runs Python drivers on the cluster (YARN and Kubernetes, ``--deploy-mode
-cluster``), :func:`cluster_submit_argv` gives the ``spark-submit`` command that runs the same
-driver there (Spark has no cluster mode for Python applications on a standalone master).
+cluster``), :func:`cluster_command` gives the ``spark-submit`` command that runs the same
+driver there (``sparktorch-ops submit --deploy-mode cluster --dry-run`` prints it; Spark has no
+cluster mode for Python applications on a standalone master).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -261,6 +263,34 @@ def cluster_submit_argv(
     Raises:
         ConfigError: a master where Spark has no Python cluster mode (local, standalone).
     """
+    _check_cluster_mode(run_dir, master)
+    argv = ["spark-submit", "--master", master, "--deploy-mode", "cluster"]
+    for key, value in sorted(conf.items()):
+        argv += ["--conf", f"{key}={value}"]
+    driver = str(Path(__file__).with_name("main.py"))
+    return [*argv, "--py-files", package_zip, driver, run_dir]
+
+
+def cluster_command(job: TrainingJob) -> list[str]:
+    """The ``spark-submit`` command that runs ``job``'s detached driver on the cluster, from
+    the job's master, Spark conf and ``run_dir``, with this sparktorch_ops zipped for it into
+    a new directory that stays for that command.
+
+    Raises:
+        ConfigError: no YARN or Kubernetes master, or a run directory the cluster cannot
+            reach (checked before anything is written).
+    """
+    from sparktorch_ops.spark.shipping import build_zip
+
+    run_dir, master = str(job.options.run_dir or runs_root()), job.spark.master or "no master"
+    _check_cluster_mode(run_dir, master)
+    package = build_zip(
+        str(Path(__file__).resolve().parents[1]), tempfile.mkdtemp(prefix="sparktorch_ops-")
+    )
+    return cluster_submit_argv(run_dir, master, job.spark.conf, package)
+
+
+def _check_cluster_mode(run_dir: str, master: str) -> None:
     if not master.startswith(("yarn", "k8s://")):
         raise ConfigError(
             "spark_master",
@@ -273,11 +303,6 @@ def cluster_submit_argv(
             f"{run_dir} is a local path: a driver on the cluster needs the run directory on "
             "storage it reaches (hdfs://, s3a://, gs://, ...)",
         )
-    argv = ["spark-submit", "--master", master, "--deploy-mode", "cluster"]
-    for key, value in sorted(conf.items()):
-        argv += ["--conf", f"{key}={value}"]
-    driver = str(Path(__file__).with_name("main.py"))
-    return [*argv, "--py-files", package_zip, driver, run_dir]
 
 
 def spark_settings(job: TrainingJob) -> SparkSettings | None:
