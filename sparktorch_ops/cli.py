@@ -90,18 +90,6 @@ def _run_arguments(run: argparse.ArgumentParser) -> None:
         action="store_false",
         help="run one rank per Spark barrier task",
     )
-    run.add_argument(
-        "--master",
-        help="Spark master URL, or sc://HOST:PORT for Spark Connect (implies --no-local-mode "
-        "unless given)",
-    )
-    run.add_argument(
-        "--conf",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="Spark configuration, repeatable",
-    )
     options.add_cli_flags(run)
     run.add_argument(
         "--dry-run",
@@ -126,14 +114,14 @@ def _job(args: argparse.Namespace, logger: logging.Logger, token: CancelToken) -
     script_args = list(args.args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
-    local_mode = args.local_mode if args.local_mode is not None else args.master is None
+    local_mode = args.local_mode if args.local_mode is not None else args.spark_master is None
     values = {**options.cli_values(args), "local_mode": local_mode}
     if args.command == "submit":
         values["detached"] = True
     return build_job(
         train=args.script,
         train_args=script_args,
-        spark=SparkSettings(master=args.master, conf=_conf(args.conf)),
+        spark=SparkSettings(master=args.spark_master, conf=_conf(args.spark_conf or ())),
         logger=logger,
         cancel_token=token,
         **values,

@@ -40,10 +40,8 @@ from sparktorch_ops.results import MetricRecord
 from sparktorch_ops.spark.dataframe import DataInput
 from sparktorch_ops.spark.session import SparkSettings
 from sparktorch_ops.spec import LaunchSpec
+from sparktorch_ops.wire.env import RUNS_ENV
 
-#: Where detached runs go when no ``run_dir`` is given: ``$SPARKTORCH_RUNS``, else
-#: ``~/.local/state/sparktorch_ops/runs``; each run in ``<root>/<training id>``.
-RUNS_ENV = "SPARKTORCH_RUNS"
 #: Seconds a submit waits for a run asked to stop (a cleared task's) to end before starting
 #: its training over.
 STOPPING_WAIT_S = 120.0
@@ -66,7 +64,8 @@ _APPLICATION_CONF = (
 
 
 def runs_root() -> Path:
-    """The directory that holds detached runs by default."""
+    """The directory that holds detached runs by default: ``$SPARKTORCH_RUNS``, else
+    ``~/.local/state/sparktorch_ops/runs``."""
     configured = os.environ.get(RUNS_ENV, "").strip()
     if configured:
         return Path(configured)

@@ -3,7 +3,8 @@
 A folder says which process its code runs in, and so what it may import: ``wire/`` is shared
 by every side and needs only the standard library; code in a Spark task, the agent or a rank
 (``node/``, ``rank/``) never imports the driver's side; only the wrappers import Airflow or
-Prefect; the package root is imported by nothing inside it; and imports form no cycle, those
+Prefect; every ``SPARKTORCH_*`` environment variable is named in ``wire/env.py`` only; the
+package root is imported by nothing inside it; and imports form no cycle, those
 inside functions included (an import deferred to a call still runs the other module's import
 in the middle of this one's work). Only imports under ``if TYPE_CHECKING:`` are left out of
 the cycle rule: they never run.
@@ -12,6 +13,7 @@ the cycle rule: they never run.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -173,6 +175,22 @@ def test_imports_form_no_cycle() -> None:
         if node not in state:
             visit(node)
     assert cycles == [], "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_every_sparktorch_variable_is_named_in_wire_env_only() -> None:
+    """One place says which variables the processes of a run pass each other (and users set):
+    elsewhere they are read through its names."""
+    variable = re.compile(r"SPARKTORCH_[A-Z0-9_]+")
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno} names {node.value}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != PACKAGE / "wire" / "env.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and variable.fullmatch(node.value)
+    ]
+    assert found == [], "\n".join(found)
 
 
 def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
