@@ -25,12 +25,13 @@ from sparktorch_ops.errors import (
 from sparktorch_ops.lightning import lightning_trainer_kwargs
 from sparktorch_ops.rank.reporting import report
 from sparktorch_ops.results import MetricRecord, RankFailure, RunResult
+from sparktorch_ops.wire import VERSION
 
 if TYPE_CHECKING:
     from sparktorch_ops.deepspeed import DeepspeedTorchDistributor
     from sparktorch_ops.distributor import TorchDistributor
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
     "ChannelError",

@@ -3,6 +3,7 @@
     sparktorch-ops run [--num-processes N] [--local-mode|--no-local-mode] [--use-gpu]
                        [--master URL] [--conf k=v ...] [--dry-run] [OPTIONS] SCRIPT [-- ARGS...]
     sparktorch-ops submit [the same options] SCRIPT [-- ARGS...]    (prints its run directory)
+    sparktorch-ops submit --deploy-mode cluster --dry-run [the same options] SCRIPT
     sparktorch-ops status RUN | logs RUN [--follow] | wait RUN [--timeout S] | cancel RUN
     sparktorch-ops list [--root DIR]
 
@@ -19,7 +20,10 @@ nothing. Arguments are checked before Spark starts.
 ``submit`` starts the same run detached (its driver in a process of its own, which outlives
 this command) and prints its run directory; ``status``, ``logs``, ``wait`` and ``cancel`` take
 that directory (``wait`` exits as ``run`` would have), ``list`` the runs under a root
-(``$SPARKTORCH_RUNS`` by default).
+(``$SPARKTORCH_RUNS`` by default). ``submit --deploy-mode cluster --dry-run`` prints the
+``spark-submit`` command that runs the detached driver on a YARN or Kubernetes cluster instead
+(``--run-dir`` on storage the cluster reaches; this sparktorch_ops zipped for it), and starts
+nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import shlex
 import signal
 import sys
 from collections.abc import Sequence
@@ -44,8 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparktorch-ops", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     _run_arguments(commands.add_parser("run", help="run a training script under torchrun"))
-    _run_arguments(
-        commands.add_parser("submit", help="start a training script detached; print its run")
+    submit = commands.add_parser("submit", help="start a training script detached; print its run")
+    _run_arguments(submit)
+    submit.add_argument(
+        "--deploy-mode",
+        choices=("client", "cluster"),
+        default="client",
+        help="where the detached driver runs: this machine (client), or a YARN or Kubernetes "
+        "cluster (cluster, with --dry-run: prints the spark-submit command)",
     )
     for name, text in (
         ("status", "where a detached run is (JSON)"),
@@ -79,18 +90,6 @@ def _run_arguments(run: argparse.ArgumentParser) -> None:
         action="store_false",
         help="run one rank per Spark barrier task",
     )
-    run.add_argument(
-        "--master",
-        help="Spark master URL, or sc://HOST:PORT for Spark Connect (implies --no-local-mode "
-        "unless given)",
-    )
-    run.add_argument(
-        "--conf",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="Spark configuration, repeatable",
-    )
     options.add_cli_flags(run)
     run.add_argument(
         "--dry-run",
@@ -115,14 +114,14 @@ def _job(args: argparse.Namespace, logger: logging.Logger, token: CancelToken) -
     script_args = list(args.args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
-    local_mode = args.local_mode if args.local_mode is not None else args.master is None
+    local_mode = args.local_mode if args.local_mode is not None else args.spark_master is None
     values = {**options.cli_values(args), "local_mode": local_mode}
     if args.command == "submit":
         values["detached"] = True
     return build_job(
         train=args.script,
         train_args=script_args,
-        spark=SparkSettings(master=args.master, conf=_conf(args.conf)),
+        spark=SparkSettings(master=args.spark_master, conf=_conf(args.spark_conf or ())),
         logger=logger,
         cancel_token=token,
         **values,
@@ -165,6 +164,20 @@ def _run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster_dry_run(job: TrainingJob, dry_run: bool) -> int:
+    """Print the ``spark-submit`` command that runs ``job``'s detached driver on the cluster."""
+    from sparktorch_ops.detached.submit import cluster_command
+
+    if not dry_run:
+        raise ConfigError(
+            "--deploy-mode",
+            "cluster is a dry run here: add --dry-run to print the spark-submit command that "
+            "runs the detached driver on the cluster; without --deploy-mode it runs here",
+        )
+    print(shlex.join(cluster_command(job)))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sparktorch-ops`` command; returns the exit status."""
     args = _parser().parse_args(argv)
@@ -189,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         job = _job(args, logger, token)  # every check, before Spark starts
+        if args.command == "submit" and args.deploy_mode == "cluster":
+            return _cluster_dry_run(job, args.dry_run)
         if args.dry_run:
             print(json.dumps(plan_job(job).to_dict(), indent=2))
             return 0

@@ -37,7 +37,6 @@ class TorchDistributor:
 
     Args:
         <launch options>
-        spark: the SparkSession (default: the active one; barrier mode creates one if none).
     """
 
     def __init__(

@@ -161,7 +161,7 @@ def build_job(
     """
     if isinstance(train, str):
         train = train.strip()
-    for option in launch_options.OPTIONS:  # a template that renders to nothing means "unset"
+    for option in launch_options.on("job"):  # a template that renders to nothing means "unset"
         value = options.get(option.name)
         if option.templated and isinstance(value, str) and not value.strip():
             options[option.name] = None

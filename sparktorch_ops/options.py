@@ -1,12 +1,17 @@
-"""Every launch option, defined once: its default, its doc, whether the orchestrators template
-it, and its command-line flag.
+"""Every option, defined once: its default, its doc, whether the orchestrators template it,
+and its command-line flag.
 
-The surfaces that take launch options keep explicit, typed signatures (Airflow's
-``partial()/expand()`` checks keyword names against the operator's ``__init__``), but their
-docs are written from here (:func:`documented`), the CLI's flags are made from here
-(:func:`add_cli_flags`), the wrappers pass their values through by name
-(:func:`values_of`), and ``tests/integration/test_options.py`` checks that every surface takes
-exactly its options with these defaults. Adding an option: one entry below, the parameter on
+Launch options (those on the ``job`` surface) reach the run's
+:class:`~sparktorch_ops.spec.LaunchSpec`; the others belong to the surface that takes them:
+where Spark is (a session in code, a connection in Airflow, a master or a block in Prefect, a
+master on the command line), the input the wrappers read, and what a wrapper keeps of a run.
+
+The surfaces keep explicit, typed signatures (Airflow's ``partial()/expand()`` checks keyword
+names against the operator's ``__init__``), but their docs are written from here
+(:func:`documented`), the CLI's flags are made from here (:func:`add_cli_flags`), the wrappers
+pass the launch options through by name (:func:`values_of`), and
+``tests/integration/test_options.py`` checks that every surface takes exactly its options
+(:func:`taken`) with these defaults. Adding a launch option: one entry below, the parameter on
 each surface's signature, the field on :class:`~sparktorch_ops.spec.LaunchSpec`.
 """
 
@@ -23,6 +28,7 @@ Surface = Literal["distributor", "job", "operator", "task", "cli"]
 SURFACES: tuple[Surface, ...] = ("distributor", "job", "operator", "task", "cli")
 _EVERYWHERE = frozenset(SURFACES)
 _IN_CODE = frozenset({"distributor", "job"})  # callables and objects: not for a wrapper's user
+_WRAPPERS = frozenset({"operator", "task"})
 DEFAULT_MAX_RESULT_BYTES = 1 << 30
 _MARKER = "<launch options>"
 
@@ -289,16 +295,152 @@ OPTIONS: tuple[Option, ...] = (
         None,
         surfaces=frozenset({"job"}),
     ),
+    # -- where Spark is: each surface says it its own way ----------------------------------
+    Option(
+        "spark",
+        "the SparkSession (default: the active one; barrier mode creates one if none).",
+        None,
+        surfaces=frozenset({"distributor"}),
+    ),
+    Option(
+        "conn_id",
+        "Airflow ``spark`` connection with the master for barrier mode, or ``spark_connect`` "
+        "connection of a Spark Connect server.",
+        "spark_default",
+        surfaces=frozenset({"operator"}),
+    ),
+    Option(
+        "spark_master",
+        "the Spark master URL for barrier mode, or ``sc://HOST:PORT`` for Spark Connect (on the "
+        "command line it implies ``--no-local-mode`` unless ``--local-mode`` is given).",
+        None,
+        flag=Flag("--master", {"metavar": "URL"}),
+        surfaces=frozenset({"task", "cli"}),
+    ),
+    Option(
+        "cluster",
+        "a :class:`~sparktorch_ops.prefect.SparkCluster` block (a master and its conf), or the "
+        "name it was saved under; instead of ``spark_master``.",
+        None,
+        surfaces=frozenset({"task"}),
+    ),
+    Option(
+        "spark_conf",
+        "Spark settings for the session the run creates, over the Airflow connection's "
+        "``spark.*`` extras or the cluster block's conf.",
+        None,
+        templated=True,
+        # Parsed by the CLI itself, so that a bad one is a ConfigError naming --conf.
+        flag=Flag(
+            "--conf",
+            {"action": "append", "metavar": "KEY=VALUE", "help": "Spark configuration, repeatable"},
+        ),
+        surfaces=frozenset({"operator", "task", "cli"}),
+    ),
+    # -- the input the wrappers read (in code: train_on_dataframe) ---------------------------
+    Option(
+        "dataframe",
+        "a DataFrame the ranks train on (shared out as by ``train_on_dataframe``); at most one "
+        "of it and the ``input_*`` options.",
+        None,
+        surfaces=frozenset({"task"}),
+    ),
+    Option(
+        "input_sql",
+        "a SQL query whose rows the ranks train on, run on the run's session and read with "
+        ":func:`sparktorch_ops.data.partition_loader`; at most one input is given, and the "
+        "summary gives its rows and columns.",
+        None,
+        templated=True,
+        surfaces=_WRAPPERS,
+    ),
+    Option(
+        "input_table",
+        "a table whose rows the ranks train on (as ``input_sql``).",
+        None,
+        templated=True,
+        surfaces=_WRAPPERS,
+    ),
+    Option(
+        "input_path",
+        "files in ``input_format`` whose rows the ranks train on (as ``input_sql``).",
+        None,
+        templated=True,
+        surfaces=_WRAPPERS,
+    ),
+    Option(
+        "input_format",
+        "the format of ``input_path`` (default ``parquet``).",
+        "parquet",
+        surfaces=_WRAPPERS,
+    ),
+    # -- what a wrapper keeps of a run -----------------------------------------------------
+    Option(
+        "durable",
+        "the tries of the task are one training (default): a retry resumes from the latest "
+        "checkpoint into the same MLflow run (docs/durable.md; in Airflow from 3.3 on); False: "
+        "each try trains afresh into a run of its own.",
+        True,
+        surfaces=_WRAPPERS,
+    ),
+    Option(
+        "deferrable",
+        "train detached while the task waits in the triggerer (docs/detached.md; default: "
+        "``[operators] default_deferrable``, as the providers' operators).",
+        False,
+        surfaces=frozenset({"operator"}),
+    ),
+    Option(
+        "result_location",
+        "where large or non-JSON values go: a directory or an ObjectStoragePath / fsspec URL. "
+        "Default: ``[sparktorch_ops] result_location``, else "
+        "``$AIRFLOW_HOME/sparktorch_ops/results``. Each try writes a new object there (never an "
+        "overwrite); ``load_result`` reads only from under it.",
+        None,
+        templated=True,
+        surfaces=frozenset({"operator"}),
+    ),
+    Option(
+        "max_xcom_value_bytes",
+        "the largest JSON-safe value kept inline (default: ``[sparktorch_ops] "
+        "max_xcom_value_bytes``, else 48 KB).",
+        None,
+        surfaces=frozenset({"operator"}),
+    ),
+    Option(
+        "mlflow_conn_id",
+        "Airflow connection holding the MLflow tracking URI, used when "
+        "``mlflow_tracking_uri`` is not given (default ``mlflow_default``; optional).",
+        "mlflow_default",
+        surfaces=frozenset({"operator"}),
+    ),
+    Option(
+        "artifact_key",
+        "the artifacts' key prefix (lowercase, digits, dashes; default: task name).",
+        None,
+        surfaces=frozenset({"task"}),
+    ),
+    Option(
+        "artifacts",
+        "set False to create no artifacts.",
+        True,
+        surfaces=frozenset({"task"}),
+    ),
 )
 
 
-def on(surface: Surface) -> tuple[Option, ...]:
-    """The options ``surface`` takes, in definition order."""
+def taken(surface: Surface) -> tuple[Option, ...]:
+    """Every option ``surface`` takes, its own included, in definition order."""
     return tuple(option for option in OPTIONS if surface in option.surfaces)
 
 
+def on(surface: Surface) -> tuple[Option, ...]:
+    """The launch options ``surface`` takes (those it passes on to the job)."""
+    return tuple(option for option in taken(surface) if "job" in option.surfaces)
+
+
 def values_of(surface: Surface, source: Mapping[str, Any] | object) -> dict[str, Any]:
-    """The values of ``surface``'s options, by name, from a mapping (a function's
+    """The values of ``surface``'s launch options, by name, from a mapping (a function's
     ``locals()``) or an object's attributes (an operator): what a wrapper passes on."""
     if isinstance(source, Mapping):
         return {o.name: source[o.name] for o in on(surface)}
@@ -306,11 +448,11 @@ def values_of(surface: Surface, source: Mapping[str, Any] | object) -> dict[str,
 
 
 def describe(surface: Surface, indent: str) -> str:
-    """Docstring ``Args:`` entries for ``surface``'s options."""
+    """Docstring ``Args:`` entries for every option ``surface`` takes."""
     import textwrap
 
     lines = []
-    for o in on(surface):
+    for o in taken(surface):
         text = o.doc
         if o.templated and surface == "operator":
             text += " Templated."
@@ -350,7 +492,7 @@ def documented(surface: Surface) -> Callable[[_Documented], _Documented]:
 
 def add_cli_flags(parser: argparse.ArgumentParser) -> None:
     """The CLI's flags of every option that has one."""
-    for o in on("cli"):
+    for o in taken("cli"):
         if o.flag is None:
             continue
         kwargs = dict(o.flag.kwargs)

@@ -66,24 +66,6 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
         train_args: the function's positional arguments, or the script's argv (templated).
         train_kwargs: the function's keyword arguments (templated).
         <launch options>
-        conn_id: Airflow ``spark`` connection with the master for barrier mode, or
-            ``spark_connect`` connection of a Spark Connect server.
-        spark_conf: Spark settings for the session this task creates (templated); they
-            override the connection's ``spark.*`` extras.
-        result_location: where large or non-JSON values go (templated): a directory or an
-            ObjectStoragePath / fsspec URL. Default: ``[sparktorch_ops] result_location``, else
-            ``$AIRFLOW_HOME/sparktorch_ops/results``. Each try writes a new object there (never
-            an overwrite); ``load_result`` reads only from under it.
-        max_xcom_value_bytes: the largest JSON-safe value kept inline (default:
-            ``[sparktorch_ops] max_xcom_value_bytes``, else 48 KB).
-        input_sql, input_table, input_path: at most one, the data the ranks train on (templated;
-            read with :func:`sparktorch_ops.data.partition_loader`); the summary's ``input``
-            gives its rows and columns.
-        input_format: the format of ``input_path`` (default ``parquet``).
-        mlflow_conn_id: Airflow connection holding the MLflow tracking URI, used when
-            ``mlflow_tracking_uri`` is not given (default ``mlflow_default``; optional).
-        durable: one training across tries (see above); None: the mixin's default.
-        deferrable: train detached while the task waits in the triggerer (docs/detached.md).
         **kwargs: BaseOperator arguments (``task_id``, ``retries``, ``execution_timeout``...).
     """
 
@@ -93,12 +75,7 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
     template_fields: Sequence[str] = (
         "train_args",
         "train_kwargs",
-        "spark_conf",
-        "result_location",
-        "input_sql",
-        "input_table",
-        "input_path",
-        *(option.name for option in options.on("operator") if option.templated),
+        *(option.name for option in options.taken("operator") if option.templated),
     )
     template_fields_renderers: ClassVar[dict[str, str]] = {
         "train_kwargs": "py",
@@ -153,12 +130,14 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
         mlflow_tracking_uri: str | None = None,
         mlflow_all_ranks: bool = False,
         mlflow_conn_id: str = "mlflow_default",
-        durable: bool | None = None,
+        durable: bool = True,
         deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         **kwargs: Any,
     ) -> None:
         # Named here (not left to **kwargs) so that default_args={"durable": ...} reaches it.
-        if durable is not None:
+        # The mixin's own default is True; below Airflow 3.3 its stand-in warns that any
+        # durable= given has no effect, so only a training that asks not to be durable says so.
+        if not durable:
             kwargs["durable"] = durable
         super().__init__(**kwargs)
         self.train = os.fspath(train) if isinstance(train, os.PathLike) else train

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sparktorch_ops import __version__
+from sparktorch_ops.wire import VERSION
 
 
 def get_provider_info() -> dict[str, Any]:
@@ -25,7 +25,7 @@ def get_provider_info() -> dict[str, Any]:
             "Run torchrun training (DDP, FSDP, Lightning, DeepSpeed) on Spark barrier tasks or "
             "on the worker: TorchDistributorOperator."
         ),
-        "versions": [__version__],
+        "versions": [VERSION],
         "integrations": [
             {
                 "integration-name": "sparktorch_ops",

@@ -20,7 +20,6 @@ from sparktorch_ops.wire.env import (
     DATA_FILE_ENV,
     EPOCH_ROWS_ENV,
     EPOCH_ROWS_FILE_ENV,
-    SCHEMA_FILE_ENV,
 )
 
 if TYPE_CHECKING:
@@ -198,15 +197,6 @@ def select_rank_shard(environ: MutableMapping[str, str]) -> None:
         environ[DATA_FILE_ENV] = os.path.join(directory, shard_name(int(environ["LOCAL_RANK"])))
 
 
-def rank_env(shard_path: str, schema_path: str, rows_per_epoch: int) -> dict[str, str]:
-    """The variables that point one rank at its shard (set them before user code runs)."""
-    return {
-        DATA_FILE_ENV: shard_path,
-        SCHEMA_FILE_ENV: schema_path,
-        EPOCH_ROWS_ENV: str(int(rows_per_epoch)),
-    }
-
-
 # -- column checks (pure, on an Arrow schema; the driver calls these before anything starts) ---
 def is_vector_type(arrow_type: pa.DataType) -> bool:
     """Whether ``arrow_type`` is a Spark ML vector (``VectorUDT``) as Arrow carries it.
@@ -294,10 +284,10 @@ def tensor_problems(schema: pa.Schema) -> dict[str, str]:
     """The columns of ``schema`` that cannot become tensors, each with the reason.
 
     Tensors come from booleans, integers (signed, or uint8) and floats; fixed-size or variable
-    arrays of those (variable ones must hold one length per column: checked on the data, see
-    :func:`check_uniform_lengths`); and Spark ML vectors (:func:`is_vector_type`). Refused:
-    strings, binary, decimals, dates and times, maps, other structs, nested arrays, null-typed
-    columns.
+    arrays of those (variable ones must hold one length per column: checked on the data, by
+    the driver's input check and the rank's loader); and Spark ML vectors
+    (:func:`is_vector_type`). Refused: strings, binary, decimals, dates and times, maps, other
+    structs, nested arrays, null-typed columns.
 
     Returns:
         ``{column: why}`` in schema order; empty when every column can become a tensor.
@@ -308,92 +298,6 @@ def tensor_problems(schema: pa.Schema) -> dict[str, str]:
         if why is not None:
             problems[field.name] = why
     return problems
-
-
-def array_length_range(batch: pa.RecordBatch | pa.Table) -> dict[str, tuple[int, int]]:
-    """The shortest and longest array of every array or vector column of ``batch``.
-
-    Fixed-size lists report their fixed length; an ML vector's length is its ``size`` (sparse)
-    or the number of its values (dense). A column whose rows are all null, or an empty
-    ``batch``, reports ``(0, -1)`` so that combining ranges with ``min``/``max`` works. Null
-    arrays are not counted; :func:`check_uniform_lengths` refuses them.
-    """
-    import numpy as np
-
-    ranges: dict[str, tuple[int, int]] = {}
-    for field, column in zip(batch.schema, batch.columns, strict=True):
-        lengths = _lengths(field.type, column)
-        if lengths is None:
-            continue
-        if lengths.size == 0:
-            ranges[field.name] = (0, -1)
-        else:
-            ranges[field.name] = (int(np.min(lengths)), int(np.max(lengths)))
-    return ranges
-
-
-def _lengths(arrow_type: pa.DataType, column: Any) -> Any:
-    """Per-row array lengths (numpy, nulls dropped) of an array/vector column, else None."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    if pa.types.is_fixed_size_list(arrow_type):
-        return np.full(len(column) - column.null_count, arrow_type.list_size, dtype=np.int64)
-    if _is_list(arrow_type):
-        return pc.list_value_length(column).drop_null().to_numpy(zero_copy_only=False)
-    if is_vector_type(arrow_type):
-        chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
-        out = []
-        for chunk in chunks:
-            valid = chunk.filter(chunk.is_valid()) if chunk.null_count else chunk
-            kind = valid.field("type").to_numpy(zero_copy_only=False)
-            size = valid.field("size").fill_null(0).to_numpy(zero_copy_only=False)
-            dense = pc.list_value_length(valid.field("values")).fill_null(0)
-            out.append(np.where(kind == 1, dense.to_numpy(zero_copy_only=False), size))
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
-    return None
-
-
-def check_uniform_lengths(
-    batch: pa.RecordBatch | pa.Table, columns: Iterable[str] | None = None
-) -> dict[str, int]:
-    """Check that every array or vector column of ``batch`` holds one length and no nulls.
-
-    Args:
-        batch: the data.
-        columns: the columns to check (default: all array and vector columns).
-
-    Returns:
-        ``{column: length}`` for the checked array and vector columns (a column whose
-        ``batch`` has no rows is left out).
-
-    Raises:
-        DataError: a column with arrays of different lengths or null arrays, naming it.
-    """
-    wanted = None if columns is None else set(columns)
-    lengths: dict[str, int] = {}
-    for field, column in zip(batch.schema, batch.columns, strict=True):
-        if wanted is not None and field.name not in wanted:
-            continue
-        found = _lengths(field.type, column)
-        if found is None:
-            continue
-        if column.null_count:
-            raise DataError(
-                f"column {field.name!r} has {column.null_count} null arrays: a batch needs a "
-                "value in every row; fill or filter them"
-            )
-        if found.size == 0:
-            continue
-        shortest, longest = int(found.min()), int(found.max())
-        if shortest != longest:
-            raise DataError(
-                f"column {field.name!r} holds arrays of different lengths ({shortest} to "
-                f"{longest}): a batch needs one length per column; pad or filter them"
-            )
-        lengths[field.name] = shortest
-    return lengths
 
 
 def batches_per_epoch(rows: int, batch_size: int, drop_last: bool) -> int:

@@ -1,7 +1,7 @@
 """Submitting a detached run: its directory, then its driver in a process of its own.
 
 :func:`submit_job` writes the job into the run directory and starts
-``python -m sparktorch_ops.detached.driver RUN_DIR`` in a new session, so the training goes on
+``python -m sparktorch_ops.detached.main RUN_DIR`` in a new session, so the training goes on
 when the submitting process ends (a worker slot freed, a notebook closed, a task process
 killed). A run directory that already holds the same training is reattached to instead: a
 live or finished run is not trained twice; a lost or failed one gets a new driver, which
@@ -9,8 +9,9 @@ resumes from the training's checkpoints, and so does one being stopped (a cleare
 once it has ended.
 
 Where Spark runs Python drivers on the cluster (YARN and Kubernetes, ``--deploy-mode
-cluster``), :func:`cluster_submit_argv` gives the ``spark-submit`` command that runs the same
-driver there (Spark has no cluster mode for Python applications on a standalone master).
+cluster``), :func:`cluster_command` gives the ``spark-submit`` command that runs the same
+driver there (``sparktorch-ops submit --deploy-mode cluster --dry-run`` prints it; Spark has no
+cluster mode for Python applications on a standalone master).
 """
 
 from __future__ import annotations
@@ -22,29 +23,25 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import sparktorch_ops
-from sparktorch_ops.detached.driver import DetachedJob
 from sparktorch_ops.detached.handle import RunHandle
+from sparktorch_ops.detached.main import DetachedJob
 from sparktorch_ops.detached.rundir import FINAL_STATES, RunDirectory, RunDirectoryError
 from sparktorch_ops.errors import ConfigError
-from sparktorch_ops.events import PhaseEvent
-from sparktorch_ops.job import CancelToken, TrainingJob
+from sparktorch_ops.job import TrainingJob
 from sparktorch_ops.results import MetricRecord
 from sparktorch_ops.spark.dataframe import DataInput
 from sparktorch_ops.spark.session import SparkSettings
 from sparktorch_ops.spec import LaunchSpec
-from sparktorch_ops.wire.payload import FunctionCall
+from sparktorch_ops.wire.env import RUNS_ENV
 
-#: Where detached runs go when no ``run_dir`` is given: ``$SPARKTORCH_RUNS``, else
-#: ``~/.local/state/sparktorch_ops/runs``; each run in ``<root>/<training id>``.
-RUNS_ENV = "SPARKTORCH_RUNS"
 #: Seconds a submit waits for a run asked to stop (a cleared task's) to end before starting
 #: its training over.
 STOPPING_WAIT_S = 120.0
@@ -67,7 +64,8 @@ _APPLICATION_CONF = (
 
 
 def runs_root() -> Path:
-    """The directory that holds detached runs by default."""
+    """The directory that holds detached runs by default: ``$SPARKTORCH_RUNS``, else
+    ``~/.local/state/sparktorch_ops/runs``."""
     configured = os.environ.get(RUNS_ENV, "").strip()
     if configured:
         return Path(configured)
@@ -123,34 +121,6 @@ def write_input(job: TrainingJob, directory: RunDirectory) -> None:
     except BaseException:
         directory.remove()
         raise
-
-
-def job_of(
-    directory: RunDirectory,
-    logger: logging.Logger,
-    on_metrics: Callable[[MetricRecord], None],
-    on_event: Callable[[PhaseEvent], None],
-) -> TrainingJob:
-    """The job of a run directory, for its detached driver: its callbacks write into it."""
-    from sparktorch_ops.rank.pickling import cloudpickle_module
-
-    stored: DetachedJob = pickle.loads(directory.job())
-    payload = stored.payload
-    if isinstance(payload, FunctionCall):
-        train, args, kwargs = cloudpickle_module().loads(payload.data)
-    else:
-        train, args, kwargs = payload.driver_path, payload.argv, {}
-    spark = SparkSettings(**stored.spark) if stored.spark else SparkSettings()
-    options = {**stored.options, "logger": logger, "on_metrics": on_metrics, "on_event": on_event}
-    return TrainingJob(
-        train,
-        tuple(args),
-        dict(kwargs),
-        LaunchSpec(**options),
-        spark,
-        CancelToken(),
-        data=stored.data,
-    )
 
 
 def submit_job(
@@ -254,13 +224,13 @@ def _start_over(directory: RunDirectory) -> None:
 
 def driver_argv(run_dir: str) -> list[str]:
     """The detached driver's command line."""
-    return [sys.executable, "-m", "sparktorch_ops.detached.driver", run_dir]
+    return [sys.executable, "-m", "sparktorch_ops.detached.main", run_dir]
 
 
 def _start_driver(directory: RunDirectory) -> None:
     """The detached driver, in a new session (no signal of this process's group reaches it),
     importing this process's sparktorch_ops."""
-    package_root = str(Path(sparktorch_ops.__file__).resolve().parents[1])
+    package_root = str(Path(__file__).resolve().parents[2])  # the folder holding sparktorch_ops/
     paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     with contextlib.ExitStack() as stack:
@@ -292,6 +262,34 @@ def cluster_submit_argv(
     Raises:
         ConfigError: a master where Spark has no Python cluster mode (local, standalone).
     """
+    _check_cluster_mode(run_dir, master)
+    argv = ["spark-submit", "--master", master, "--deploy-mode", "cluster"]
+    for key, value in sorted(conf.items()):
+        argv += ["--conf", f"{key}={value}"]
+    driver = str(Path(__file__).with_name("main.py"))
+    return [*argv, "--py-files", package_zip, driver, run_dir]
+
+
+def cluster_command(job: TrainingJob) -> list[str]:
+    """The ``spark-submit`` command that runs ``job``'s detached driver on the cluster, from
+    the job's master, Spark conf and ``run_dir``, with this sparktorch_ops zipped for it into
+    a new directory that stays for that command.
+
+    Raises:
+        ConfigError: no YARN or Kubernetes master, or a run directory the cluster cannot
+            reach (checked before anything is written).
+    """
+    from sparktorch_ops.spark.shipping import build_zip
+
+    run_dir, master = str(job.options.run_dir or runs_root()), job.spark.master or "no master"
+    _check_cluster_mode(run_dir, master)
+    package = build_zip(
+        str(Path(__file__).resolve().parents[1]), tempfile.mkdtemp(prefix="sparktorch_ops-")
+    )
+    return cluster_submit_argv(run_dir, master, job.spark.conf, package)
+
+
+def _check_cluster_mode(run_dir: str, master: str) -> None:
     if not master.startswith(("yarn", "k8s://")):
         raise ConfigError(
             "spark_master",
@@ -304,11 +302,6 @@ def cluster_submit_argv(
             f"{run_dir} is a local path: a driver on the cluster needs the run directory on "
             "storage it reaches (hdfs://, s3a://, gs://, ...)",
         )
-    argv = ["spark-submit", "--master", master, "--deploy-mode", "cluster"]
-    for key, value in sorted(conf.items()):
-        argv += ["--conf", f"{key}={value}"]
-    driver = str(Path(__file__).with_name("driver.py"))
-    return [*argv, "--py-files", package_zip, driver, run_dir]
 
 
 def spark_settings(job: TrainingJob) -> SparkSettings | None:

@@ -16,12 +16,11 @@ import shutil
 import tempfile
 import zipfile
 
-import sparktorch_ops
-
 
 def imported_root() -> str:
     """The directory or zip that holds the sparktorch_ops this process imported."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(sparktorch_ops.__file__)))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # sparktorch_ops/
+    return os.path.dirname(package)
 
 
 def runnable_root(root: str | None = None) -> str:

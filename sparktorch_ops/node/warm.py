@@ -405,9 +405,3 @@ def shutdown() -> None:
         _servers.clear()
     for server in servers:
         server.kill()
-
-
-def warm_processes() -> list[WarmServer]:
-    """The warm processes this launcher keeps (live or not)."""
-    with _servers_lock:
-        return list(_servers.values())

@@ -94,7 +94,8 @@ def run_torch_distributor(
     training, apart from Prefect's ``timeout_seconds`` on the whole task. Without
     ``checkpoint_dir``, the task run has its own under Prefect's local storage path
     (``.../sparktorch_ops/checkpoints/<flow run>/<task>``). ``mlflow_tracking_uri`` may also
-    name a saved :class:`~sparktorch_ops.prefect.MlflowServer` block.
+    name a saved :class:`~sparktorch_ops.prefect.MlflowServer` block. The input
+    (``dataframe``, ``input_*``) is not part of any cache key.
 
     Args:
         train: a function (run as ``train(*train_args, **train_kwargs)`` on every rank) or the
@@ -102,18 +103,6 @@ def run_torch_distributor(
         train_args: the function's positional arguments, or the script's arguments.
         train_kwargs: the function's keyword arguments (not for scripts).
         <launch options>
-        spark_master: the Spark master URL for barrier mode (see :class:`SparkCluster`).
-        spark_conf: Spark conf for the session (applied over the cluster block's conf).
-        cluster: a :class:`SparkCluster` block, or the name it was saved under.
-        artifact_key: the artifacts' key prefix (lowercase, digits, dashes; default: task name).
-        artifacts: set False to create no artifacts.
-        dataframe, input_sql, input_table, input_path: at most one, the data the ranks train
-            on (read with :func:`sparktorch_ops.data.partition_loader`): a DataFrame, or a
-            query, table or path read on the run's session; the summary gives its rows and
-            columns. Not part of any cache key.
-        input_format: the format of ``input_path`` (default ``parquet``).
-        durable: the task run's tries are one training (default): a retry resumes from the
-            latest checkpoint into the same MLflow run (docs/durable.md); False: a new run.
 
     Returns:
         Rank 0's return value (a function) or rank 0's stdout (a script).

@@ -21,7 +21,7 @@ import zipfile
 from collections.abc import Iterator
 from typing import Any
 
-import sparktorch_ops
+from sparktorch_ops.wire import VERSION
 
 # A zip entry's time is part of its bytes: one fixed time keeps a zip a function of its files.
 _ENTRY_TIME = (2020, 1, 1, 0, 0, 0)
@@ -58,7 +58,7 @@ def build_zip(directory: str, destination: str) -> str:
     """Zip the package at ``directory`` into the folder ``destination``; the zip's path,
     ``sparktorch_ops-<version>-<digest>.zip``."""
     digest = package_digest(directory)[:16]
-    path = os.path.join(destination, f"sparktorch_ops-{sparktorch_ops.__version__}-{digest}.zip")
+    path = os.path.join(destination, f"sparktorch_ops-{VERSION}-{digest}.zip")
     staging = path + ".partial"
     with zipfile.ZipFile(staging, "w", zipfile.ZIP_DEFLATED) as archive:
         for file, name in _package_files(directory):
@@ -75,7 +75,7 @@ def build_zip(directory: str, destination: str) -> str:
 def package_zip() -> str:
     """This process's zip of the sparktorch_ops it imported, in a private directory that
     lives as long as the process (Spark serves the file from there)."""
-    directory = os.path.dirname(os.path.abspath(sparktorch_ops.__file__))
+    directory = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # sparktorch_ops/
     destination = tempfile.mkdtemp(prefix="sparktorch_ops-package-")
     atexit.register(shutil.rmtree, destination, True)
     return build_zip(directory, destination)

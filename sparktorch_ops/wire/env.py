@@ -66,6 +66,11 @@ CHECKPOINT_DIR_ENV = _per_run("SPARKTORCH_CHECKPOINT_DIR")
 #: ``checkpoint_dir`` root or one step directory) or a ``torch.save(state_dict)`` file.
 WARM_START_ENV = _per_run("SPARKTORCH_WARM_START_FROM")
 
+# -- detached runs -------------------------------------------------------------------------
+#: Where detached runs go when no ``run_dir`` is given (each in ``<root>/<training id>``); set
+#: by the user, read by the submitting process and ``sparktorch-ops list``.
+RUNS_ENV = "SPARKTORCH_RUNS"
+
 # -- torch's own -----------------------------------------------------------------------------
 #: torch's fork-safe CUDA availability check (NVML, no CUDA initialisation); the agent turns it
 #: on for itself when unset and says so in NVML_CHECK_ADDED_ENV, so that ranks can drop it.

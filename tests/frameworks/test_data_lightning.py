@@ -14,6 +14,7 @@ import torch
 
 from sparktorch_ops import data
 from sparktorch_ops.data import shards as shard_format
+from tests.support.shards import rank_env
 
 
 def test_lightning_fits_on_partition_loader(
@@ -48,7 +49,7 @@ def test_lightning_fits_on_partition_loader(
         names=["id", "x", "y"],
     )
     (shard,) = shard_format.write_shards([batch], batch.schema, str(tmp_path), 1)
-    for name, value in shard_format.rank_env(shard.path, "", shard.rows).items():
+    for name, value in rank_env(shard.path, "", shard.rows).items():
         monkeypatch.setenv(name, value)
 
     loader = data.partition_loader(32, shuffle=True, seed=5)

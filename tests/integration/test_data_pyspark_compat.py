@@ -17,6 +17,7 @@ import torch
 
 from sparktorch_ops import data
 from sparktorch_ops.data import shards as shard_format
+from tests.support.shards import rank_env
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,7 @@ def test_pyspark_loader_and_ours_yield_equal_batches(
 
     shard, schema_path = _shard(frame, tmp_path)
     assert shard.rows == 1001
-    for name, value in shard_format.rank_env(shard.path, schema_path, shard.rows).items():
+    for name, value in rank_env(shard.path, schema_path, shard.rows).items():
         monkeypatch.setenv(name, value)
     assert os.environ["SPARK_PARTITION_ARROW_DATA_FILE"] == shard.path
 
@@ -102,7 +103,7 @@ def test_pyspark_loader_reads_our_shards_of_a_multi_rank_layout(
     rows = shard_format.epoch_rows(s.rows for s in shards)
     ids: list[int] = []
     for shard in shards:
-        for name, value in shard_format.rank_env(shard.path, schema_path, rows).items():
+        for name, value in rank_env(shard.path, schema_path, rows).items():
             monkeypatch.setenv(name, value)
         loader = _get_spark_partition_data_loader(shard.rows, 50, num_workers=0)
         ids += [int(i) for batch in loader for i in batch[0]]

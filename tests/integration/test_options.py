@@ -1,5 +1,6 @@
-"""Every surface that takes launch options takes exactly the options ``sparktorch_ops.options``
-defines for it, with their defaults and docs, and passes each one on to the job.
+"""Every surface takes exactly the options ``sparktorch_ops.options`` defines for it (its own
+included: where Spark is, the input, what a wrapper keeps), with their defaults and docs, and
+passes each launch option on to the job.
 
 The wrappers' pass-through is proven in real runs beside their other tests
 (tests/airflow/test_operator.py, tests/prefect/test_task.py): a bad value of every option fails
@@ -22,43 +23,11 @@ from sparktorch_ops.job import CancelToken, build_job
 from sparktorch_ops.spec import LaunchSpec
 from tests.support.launch_options import BAD, as_validated, good
 
-# What each surface takes besides the launch options.
+# What each surface takes besides its options: the training and its arguments.
 NOT_OPTIONS = {
-    "distributor": {"self", "spark"},
-    "operator": {
-        "self",
-        "deferrable",
-        "train",
-        "train_args",
-        "train_kwargs",
-        "conn_id",
-        "spark_conf",
-        "result_location",
-        "max_xcom_value_bytes",
-        "input_sql",
-        "input_table",
-        "input_path",
-        "input_format",
-        "mlflow_conn_id",
-        "durable",
-        "kwargs",
-    },
-    "task": {
-        "train",
-        "train_args",
-        "train_kwargs",
-        "spark_master",
-        "spark_conf",
-        "cluster",
-        "artifact_key",
-        "artifacts",
-        "dataframe",
-        "input_sql",
-        "input_table",
-        "input_path",
-        "input_format",
-        "durable",
-    },
+    "distributor": {"self"},
+    "operator": {"self", "train", "train_args", "train_kwargs", "kwargs"},
+    "task": {"train", "train_args", "train_kwargs"},
 }
 
 
@@ -106,12 +75,12 @@ def test_torch_distributor_keeps_pysparks_positional_parameters() -> None:
 @pytest.mark.parametrize("surface", ["distributor", "operator", "task"])
 def test_each_surface_takes_its_options_with_their_defaults_and_docs(surface: Any) -> None:
     parameters = inspect.signature(surface_callable(surface)).parameters
-    expected = {o.name: o.default_on(surface) for o in options.on(surface)}
+    expected = {o.name: o.default_on(surface) for o in options.taken(surface)}
     taken = {name: p.default for name, p in parameters.items() if name in expected}
     assert taken == expected
     assert set(parameters) - set(expected) == NOT_OPTIONS[surface]
     doc = flat(surface_doc(surface))
-    for option in options.on(surface):
+    for option in options.taken(surface):
         assert flat(f"{option.name}: {option.doc}") in doc, (surface, option.name)
     assert "<launch options>" not in doc
 
@@ -129,7 +98,7 @@ def test_the_operator_templates_exactly_the_templated_options() -> None:
     from sparktorch_ops.airflow import TorchDistributorOperator
 
     fields = set(TorchDistributorOperator.template_fields)
-    for option in options.on("operator"):
+    for option in options.taken("operator"):
         assert (option.name in fields) == option.templated, option.name
 
 
@@ -137,10 +106,10 @@ def test_the_cli_has_a_flag_for_every_option_it_takes() -> None:
     parser = cli._parser()
     run = parser._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
     parsed = vars(run.parse_args(["train.py"]))  # nothing given: every default
-    for option in options.on("cli"):
+    for option in options.taken("cli"):
         assert parsed[option.name] == option.default_on("cli"), option.name
     helps = flat(run.format_help())
-    for option in options.on("cli"):
+    for option in options.taken("cli"):
         if option.flag is not None:
             assert option.flag.name in helps, option.name
 

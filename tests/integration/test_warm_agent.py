@@ -80,16 +80,16 @@ def test_a_second_run_reuses_the_warm_agent_and_sees_nothing_of_the_first(
     (tmp_path / "sto_leaked_module.py").write_text("VALUE = 1\n")
     distributor = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False)
     first = distributor.run(visible_state, str(tmp_path), True)
-    (server,) = warm.warm_processes()
+    (server,) = warm_processes(os.getpid())
     second = distributor.run(visible_state, str(tmp_path), False)
-    assert first["agent_parent"] == second["agent_parent"] == server.proc.pid
+    assert first["agent_parent"] == second["agent_parent"] == server.pid
     assert first["forked_warm"] and second["forked_warm"]
     assert second["env"] is None and second["module"] is False
     assert second["threads"] == first["threads"]
     # Every process of a run carries its marker in the process table, forked or not.
     assert first["marker"] == first["run_id"] and second["marker"] == second["run_id"]
     # After a success the warm process stays (the allow-list), and only it.
-    assert [p.pid for p in warm_processes(os.getpid())] == [server.proc.pid]
+    assert [p.pid for p in warm_processes(os.getpid())] == [server.pid]
     assert wait_until_gone(first["run_id"]) == [] and wait_until_gone(second["run_id"]) == []
 
 
@@ -246,7 +246,7 @@ def test_the_warm_agent_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv(wire_env.WARM_AGENT_ENV, "0")
     facts = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(agent_command)
     assert facts["warm"] is False
-    assert warm.warm_processes() == [] and warm_processes(os.getpid()) == []
+    assert warm_processes(os.getpid()) == []
 
 
 def barrier_state(tmp: str, change: bool) -> dict[str, Any]:

@@ -5,7 +5,10 @@ tests/integration/test_cli.py)."""
 from __future__ import annotations
 
 import json
+import shlex
+import shutil
 import signal
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,3 +71,34 @@ def test_a_dry_run_on_a_cluster_master_plans_barrier_mode_with_the_script_argume
     assert (plan["mode"], plan["num_processes"], plan["nodes_count"]) == ("barrier", 2, 2)
     assert plan["payload"] == f"{script} --lr=0.1 (script)"
     assert [node["env"]["OMP_NUM_THREADS"] for node in plan["nodes"]] == ["2", "2"]
+
+
+def test_a_cluster_deploy_mode_dry_run_prints_the_spark_submit_command(
+    script: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The exact spark-submit that runs the detached driver on YARN (or Kubernetes), with
+    this sparktorch_ops zipped for it; refused where Spark has no Python cluster mode, for a
+    run directory the cluster cannot reach, and without --dry-run."""
+    cluster = ["submit", "--deploy-mode", "cluster", "--conf", "spark.executor.memory=4g"]
+    given = [*cluster, "--master", "yarn", "--run-dir", "hdfs:///runs/n1", "--dry-run", script]
+    assert main(given) == 0
+    command = shlex.split(capsys.readouterr().out)
+    package = command[8]
+    try:
+        driver = str(Path(__file__).parents[2] / "sparktorch_ops" / "detached" / "main.py")
+        assert command[:8] + command[9:] == [
+            "spark-submit", "--master", "yarn", "--deploy-mode", "cluster",
+            "--conf", "spark.executor.memory=4g",
+            "--py-files", driver, "hdfs:///runs/n1",
+        ]  # fmt: skip
+        with zipfile.ZipFile(package) as archive:
+            assert "sparktorch_ops/detached/main.py" in archive.namelist()
+    finally:
+        shutil.rmtree(Path(package).parent)
+    standalone = ["--master", "spark://h:7077", "--run-dir", "hdfs:///runs/n1"]
+    assert main([*cluster, *standalone, "--dry-run", script]) == 2
+    assert "YARN and Kubernetes only" in capsys.readouterr().err
+    assert main([*cluster, "--master", "yarn", "--dry-run", script]) == 2
+    assert "is a local path" in capsys.readouterr().err
+    assert main([*cluster, "--master", "yarn", "--run-dir", "hdfs:///runs/n1", script]) == 2
+    assert "add --dry-run" in capsys.readouterr().err

@@ -30,8 +30,8 @@ from sparktorch_ops.wire.env import (
     DATA_FILE_ENV,
     EPOCH_ROWS_ENV,
     EPOCH_ROWS_FILE_ENV,
-    SCHEMA_FILE_ENV,
 )
+from tests.support.shards import rank_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = 1001
@@ -109,7 +109,7 @@ def as_rank(monkeypatch: pytest.MonkeyPatch, shards: list[ShardFile]) -> Any:
     rows = shard_format.epoch_rows(s.rows for s in shards)
 
     def point(rank: int) -> str:
-        for name, value in shard_format.rank_env(shards[rank].path, "", rows).items():
+        for name, value in rank_env(shards[rank].path, "", rows).items():
             monkeypatch.setenv(name, value)
         monkeypatch.setenv("RANK", str(rank))
         return shards[rank].path
@@ -168,17 +168,12 @@ def test_write_shards_refuses_bad_count_and_mismatched_batches(tmp_path: Path) -
     assert one.rows == 2
 
 
-def test_write_schema_file_and_rank_env(tmp_path: Path) -> None:
+def test_write_schema_file(tmp_path: Path) -> None:
     schema_json = json.dumps({"type": "struct", "fields": []})
     path = shard_format.write_schema_file(schema_json, str(tmp_path))
     assert json.loads(Path(path).read_text()) == {"type": "struct", "fields": []}
     with pytest.raises(ConfigError, match="spark_schema_json"):
         shard_format.write_schema_file("{nope", str(tmp_path))
-    assert shard_format.rank_env("/s/rank-1.arrow", path, 501) == {
-        DATA_FILE_ENV: "/s/rank-1.arrow",
-        SCHEMA_FILE_ENV: path,
-        EPOCH_ROWS_ENV: "501",
-    }
 
 
 def test_a_rank_waits_for_the_rows_per_epoch_while_the_shards_are_written(
@@ -238,23 +233,6 @@ def test_tensor_problems_names_what_cannot_become_a_tensor() -> None:
     assert shard_format.tensor_problems(SCHEMA) == {}
     assert shard_format.is_vector_type(VECTOR)
     assert not shard_format.is_vector_type(pa.struct([("type", pa.int8())]))
-
-
-def test_ragged_arrays_are_named_by_the_checks() -> None:
-    batch = pa.record_batch(
-        [pa.array([[1.0, 2.0], [3.0, 4.0, 5.0]]), pa.array([[1, 2], [3, 4]])],
-        names=["ragged", "even"],
-    )
-    assert shard_format.array_length_range(batch) == {"ragged": (2, 3), "even": (2, 2)}
-    with pytest.raises(DataError, match=r"'ragged'.*different lengths"):
-        shard_format.check_uniform_lengths(batch)
-    assert shard_format.check_uniform_lengths(batch, columns=["even"]) == {"even": 2}
-    vectors = make_batch(range(4))
-    assert shard_format.check_uniform_lengths(vectors) == {"feats": 3, "pair": 2, "vec": 3}
-    with pytest.raises(DataError, match=r"'even'.*null"):
-        shard_format.check_uniform_lengths(
-            pa.record_batch([pa.array([[1, 2], None])], names=["even"])
-        )
 
 
 # -- the rank side ------------------------------------------------------------------------------
@@ -427,9 +405,7 @@ def worker_checks(scratch: str) -> None:
     """Every check that starts DataLoader worker processes, as rank 0 of two shards in
     ``scratch`` (run by the test above in a fresh interpreter)."""
     shards = shard_format.write_shards(iter(make_batches()), SCHEMA, scratch, 2)
-    os.environ.update(
-        shard_format.rank_env(shards[0].path, "", shard_format.epoch_rows(s.rows for s in shards))
-    )
+    os.environ.update(rank_env(shards[0].path, "", shard_format.epoch_rows(s.rows for s in shards)))
     os.environ["RANK"] = "0"
 
     # Workers split the batches and keep their order.
@@ -562,7 +538,7 @@ def test_reading_a_shard_does_not_import_pandas(shards: list[ShardFile]) -> None
         "for batch in data.get_spark_partition_data_loader(600, 64, num_workers=0): pass\n"
         "print(sorted(m for m in ('pandas', 'pyspark') if m in sys.modules))\n"
     )
-    env = dict(os.environ, **shard_format.rank_env(shards[0].path, "", 501))
+    env = dict(os.environ, **rank_env(shards[0].path, "", 501))
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
@@ -577,6 +553,7 @@ MEMORY_SCRIPT = textwrap.dedent(
     import numpy as np, pyarrow as pa, psutil
     from sparktorch_ops import data
     from sparktorch_ops.data import shards as shard_format
+    from tests.support.shards import rank_env
 
     rows, width, directory = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     schema = pa.schema([(f"f{i}", pa.float32()) for i in range(width)])
@@ -588,7 +565,7 @@ MEMORY_SCRIPT = textwrap.dedent(
             yield pa.record_batch([pa.array(block[:, i]) for i in range(width)], schema=schema)
 
     (shard,) = shard_format.write_shards(batches(), schema, directory, 1)
-    os.environ.update(shard_format.rank_env(shard.path, "", shard.rows))
+    os.environ.update(rank_env(shard.path, "", shard.rows))
     process = psutil.Process()
     out = {"file_bytes": os.path.getsize(shard.path)}
     for shuffle in (False, True):

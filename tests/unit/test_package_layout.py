@@ -3,12 +3,17 @@
 A folder says which process its code runs in, and so what it may import: ``wire/`` is shared
 by every side and needs only the standard library; code in a Spark task, the agent or a rank
 (``node/``, ``rank/``) never imports the driver's side; only the wrappers import Airflow or
-Prefect; and module-level imports form no cycle.
+Prefect; every ``SPARKTORCH_*`` environment variable is named in ``wire/env.py`` only; the
+package root is imported by nothing inside it; and imports form no cycle, those
+inside functions included (an import deferred to a call still runs the other module's import
+in the middle of this one's work). Only imports under ``if TYPE_CHECKING:`` are left out of
+the cycle rule: they never run.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +31,7 @@ class Import:
     module: str  # the importing module, e.g. "sparktorch_ops.rank.worker"
     target: str  # what it imports: one of ours (resolved to a module) or a top-level package
     line: int
-    top_level: bool  # at module level, outside ``if TYPE_CHECKING:``
+    type_checking: bool  # under ``if TYPE_CHECKING:``: read by the type checker, never run
 
 
 def module_name(path: Path) -> str:
@@ -59,9 +64,8 @@ def imports_of(path: Path, modules: set[str]) -> Iterator[Import]:
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and _is_type_checking(node):
             type_checking.update(id(child) for stmt in node.body for child in ast.walk(stmt))
-    top = {id(node) for node in tree.body}
     for node in ast.walk(tree):
-        top_level = id(node) in top and id(node) not in type_checking
+        typing_only = id(node) in type_checking
         if isinstance(node, ast.Import):
             for alias in node.names:
                 target = resolve(alias.name, modules) if ours(alias.name) else alias.name
@@ -69,7 +73,7 @@ def imports_of(path: Path, modules: set[str]) -> Iterator[Import]:
                     module,
                     target.split(".")[0] if not ours(target) else target,
                     node.lineno,
-                    top_level,
+                    typing_only,
                 )
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative imports are not used in this package
@@ -78,12 +82,12 @@ def imports_of(path: Path, modules: set[str]) -> Iterator[Import]:
             else:
                 name = node.module or ""
             if not ours(name):
-                yield Import(module, name.split(".")[0], node.lineno, top_level)
+                yield Import(module, name.split(".")[0], node.lineno, typing_only)
                 continue
             for alias in node.names:  # `from pkg import submodule` imports that module
                 full = f"{name}.{alias.name}"
                 target = full if full in modules else resolve(name, modules)
-                yield Import(module, target, node.lineno, top_level)
+                yield Import(module, target, node.lineno, typing_only)
 
 
 def all_imports() -> list[Import]:
@@ -141,10 +145,16 @@ def test_only_the_wrappers_import_airflow_or_prefect() -> None:
     assert found == [], describe(found)
 
 
-def test_module_level_imports_form_no_cycle() -> None:
+def test_nothing_inside_the_package_imports_its_root() -> None:
+    """The root imports the public names; a module importing it back closes a loop."""
+    found = [i for i in IMPORTS if i.target == "sparktorch_ops" and i.module != "sparktorch_ops"]
+    assert found == [], describe(found)
+
+
+def test_imports_form_no_cycle() -> None:
     graph: dict[str, set[str]] = {}
     for i in IMPORTS:
-        if i.top_level and ours(i.target) and i.target != i.module:
+        if not i.type_checking and ours(i.target) and i.target != i.module:
             graph.setdefault(i.module, set()).add(i.target)
     cycles = []
     state: dict[str, int] = {}  # 1: on the stack, 2: done
@@ -154,9 +164,6 @@ def test_module_level_imports_form_no_cycle() -> None:
         state[node] = 1
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
-            # A package imports its own submodules to export them: that edge is no cycle.
-            if nxt.startswith(node + "."):
-                continue
             if state.get(nxt) == 1:
                 cycles.append([*stack[stack.index(nxt) :], nxt])
             elif nxt not in state:
@@ -170,20 +177,52 @@ def test_module_level_imports_form_no_cycle() -> None:
     assert cycles == [], "\n".join(" -> ".join(cycle) for cycle in cycles)
 
 
+def test_every_sparktorch_variable_is_named_in_wire_env_only() -> None:
+    """One place says which variables the processes of a run pass each other (and users set):
+    elsewhere they are read through its names."""
+    variable = re.compile(r"SPARKTORCH_[A-Z0-9_]+")
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno} names {node.value}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != PACKAGE / "wire" / "env.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and variable.fullmatch(node.value)
+    ]
+    assert found == [], "\n".join(found)
+
+
 def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
     """The rules above fail on what they forbid (the checker reads these imports)."""
     rank = tmp_path / "sparktorch_ops" / "rank"
     rank.mkdir(parents=True)
     bad = rank / "bad.py"
-    bad.write_text("from sparktorch_ops.driver import planning\ndef later():\n    import airflow\n")
-    modules = {"sparktorch_ops.driver.planning", "sparktorch_ops.rank.bad"}
+    bad.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from sparktorch_ops.driver import planning\n"
+        "if TYPE_CHECKING:\n"
+        "    from sparktorch_ops.driver import run\n"
+        "def later():\n"
+        "    import airflow\n"
+        "    import sparktorch_ops\n"
+    )
+    modules = {
+        "sparktorch_ops",
+        "sparktorch_ops.driver.planning",
+        "sparktorch_ops.driver.run",
+        "sparktorch_ops.rank.bad",
+    }
     global PACKAGE
     saved, PACKAGE = PACKAGE, tmp_path / "sparktorch_ops"
     try:
         found = list(imports_of(bad, modules))
     finally:
         PACKAGE = saved
-    assert [(i.target, i.top_level) for i in found] == [
-        ("sparktorch_ops.driver.planning", True),
+    assert sorted((i.target, i.type_checking) for i in found) == [
         ("airflow", False),
+        ("sparktorch_ops", False),
+        ("sparktorch_ops.driver.planning", False),
+        ("sparktorch_ops.driver.run", True),
+        ("typing", False),
     ]

@@ -135,7 +135,7 @@ def test_the_cluster_deploy_mode_command_runs_the_detached_driver_on_yarn_or_kub
     argv = cluster_submit_argv(
         "hdfs:///runs/n1", "yarn", {"spark.executor.memory": "4g"}, "/tmp/sparktorch_ops.zip"
     )
-    driver = str(Path(__file__).parents[2] / "sparktorch_ops" / "detached" / "driver.py")
+    driver = str(Path(__file__).parents[2] / "sparktorch_ops" / "detached" / "main.py")
     assert argv == [
         "spark-submit", "--master", "yarn", "--deploy-mode", "cluster",
         "--conf", "spark.executor.memory=4g",
@@ -163,8 +163,8 @@ def test_a_run_directory_behind_fsspec_serves_a_handle_through_a_whole_run() -> 
     and error plainly (a run not ended, one whose driver vanished, a wait that runs out)."""
     import pendulum
 
-    from sparktorch_ops.detached.driver import result_fields
     from sparktorch_ops.detached.handle import RunLostError
+    from sparktorch_ops.detached.main import result_fields
     from sparktorch_ops.results import Attempt, MetricRecord, RunResult
 
     url = f"memory://runs/{time.time_ns()}"

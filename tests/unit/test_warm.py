@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from typing import Any
 
 import psutil
 import pytest
 
+from harness.procs import warm_processes
 from sparktorch_ops.node.forkserver import MARKER_SLOT_CHARS, command_line_room, slot_value
 from sparktorch_ops.node.warm import import_environment, warm_enabled
 from sparktorch_ops.wire.env import WARM_AGENT_ENV, WARM_PROCESS_ENV
@@ -124,6 +127,25 @@ def test_rendezvous_polling_is_scaled_to_the_number_of_nodes(nnodes: str, expect
     assert out == expected
 
 
+def test_the_torch_internals_the_rendezvous_pace_replaces_are_where_it_expects_them() -> None:
+    """The agent's pace (``_poll_rendezvous_sooner``) replaces private names of torch and, on
+    a torch without them, silently keeps torch's own pace: this fails loudly instead when a
+    torch release moves or stops using them."""
+    pytest.importorskip("torch")
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as r
+
+    assert "seconds" in inspect.signature(r._delay).parameters
+    # The handler and the join still wait through the module's own ``_delay``, the name the
+    # agent replaces: a poll and the first join's skew.
+    source = inspect.getsource(r)
+    assert "_delay(seconds=1)" in source and "_delay(seconds=(0, 0.3))" in source
+    holder = r._BackendRendezvousStateHolder
+    assert "cache_duration" in inspect.signature(holder.__init__).parameters
+    assert "self._cache_duration" in inspect.getsource(holder.sync)
+
+
 def test_a_tasks_early_warm_up_matches_the_environment_its_agent_starts_with(
     tmp_path: Any,
 ) -> None:
@@ -165,4 +187,8 @@ def test_a_warm_process_that_cannot_import_torch_says_why_and_no_cold_agent_star
     started: list[str] = []
     with pytest.raises(warm.TorchImportError, match=r"libcudart\.so\.12: cannot open"):
         warm.start_agent(argv, env, str(tmp_path), started.extend, started.extend)
-    assert started == [] and warm.warm_processes() == []  # dropped, nothing else started
+    assert started == []  # nothing else started
+    deadline = time.monotonic() + 10  # and the warm process that failed leaves
+    while warm_processes(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert warm_processes(os.getpid()) == []

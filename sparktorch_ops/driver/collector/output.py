@@ -61,11 +61,6 @@ class Tail:
         while len(held) > self._max_lines or (self._chars > self._max_chars and len(held) > 1):
             self._chars -= len(held.popleft())
 
-    @property
-    def chars(self) -> int:
-        """Characters held."""
-        return self._chars
-
     def __iter__(self) -> Iterator[str]:
         return iter(self._lines)
 

@@ -1,11 +1,13 @@
-"""The driver of a detached run: ``python -m sparktorch_ops.detached.driver RUN_DIR``.
+"""The driver of a detached run: ``python -m sparktorch_ops.detached.main RUN_DIR``.
 
 An ordinary run (:mod:`sparktorch_ops.driver`) in a process of its own, started in its own
 session by :func:`~sparktorch_ops.detached.submit.submit_job`, so that it does not depend on
 the process that submitted it. Everything it does goes to the run directory
 (:class:`RunWriter`): its status with a heartbeat, its phase events, ``report()`` records and
 log lines in chunks, and at the end rank 0's value or the error. It looks for a cancel request
-in the directory every second.
+in the directory every second. It reads its job back (:func:`job_of`) and runs it as an
+attached run (:class:`~sparktorch_ops.driver.run.Run`); the submitting side writes it
+(:mod:`sparktorch_ops.detached.submit`).
 """
 
 from __future__ import annotations
@@ -18,14 +20,19 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sparktorch_ops.detached.rundir import STREAMS, RunDirectory
 from sparktorch_ops.errors import SparkTorchError
 from sparktorch_ops.events import PhaseEvent, RunState
+from sparktorch_ops.job import CancelToken, TrainingJob
 from sparktorch_ops.outcome import outcome_of
 from sparktorch_ops.results import MetricRecord, RunResult
+from sparktorch_ops.spark.session import SparkSettings
+from sparktorch_ops.spec import LaunchSpec
+from sparktorch_ops.wire.payload import FunctionCall
 
 _FLUSH_S = 0.5
 _HEARTBEAT_S = 2.0
@@ -191,10 +198,37 @@ def _watch_cancel(directory: RunDirectory, token: Any, done: threading.Event) ->
             return
 
 
+def job_of(
+    directory: RunDirectory,
+    logger: logging.Logger,
+    on_metrics: Callable[[MetricRecord], None],
+    on_event: Callable[[PhaseEvent], None],
+) -> TrainingJob:
+    """The job of a run directory, for its detached driver: its callbacks write into it."""
+    from sparktorch_ops.rank.pickling import cloudpickle_module
+
+    stored: DetachedJob = pickle.loads(directory.job())
+    payload = stored.payload
+    if isinstance(payload, FunctionCall):
+        train, args, kwargs = cloudpickle_module().loads(payload.data)
+    else:
+        train, args, kwargs = payload.driver_path, payload.argv, {}
+    spark = SparkSettings(**stored.spark) if stored.spark else SparkSettings()
+    options = {**stored.options, "logger": logger, "on_metrics": on_metrics, "on_event": on_event}
+    return TrainingJob(
+        train,
+        tuple(args),
+        dict(kwargs),
+        LaunchSpec(**options),
+        spark,
+        CancelToken(),
+        data=stored.data,
+    )
+
+
 def run(run_dir: str) -> int:
     """Run the detached job of ``run_dir`` to its end; 0 when it succeeded."""
-    from sparktorch_ops.detached.submit import job_of
-    from sparktorch_ops.distributor import launch_job
+    from sparktorch_ops.driver.run import Run
 
     directory = RunDirectory(run_dir)
     directory.identity()
@@ -212,7 +246,7 @@ def run(run_dir: str) -> int:
         threading.Thread(
             target=_watch_cancel, args=(directory, job.cancel_token, done), daemon=True
         ).start()
-        result = launch_job(job)
+        result = Run(job).execute()  # stored with detached=False: it runs here
     except BaseException as exc:
         done.set()
         traceback.print_exc()  # into driver.out, for whoever looks into the run directory
