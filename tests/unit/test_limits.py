@@ -24,14 +24,15 @@ from sparktorch_ops.driver.collector.output import (
     cut_line,
 )
 from sparktorch_ops.errors import (
+    EXIT_INTERRUPTED,
     ConfigError,
     ResultTooLargeError,
     SparkJobKilledError,
     TrainingCancelledError,
+    outcome_of,
 )
 from sparktorch_ops.launchers.barrier import _cancelled_by_spark, _summarize
 from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
-from sparktorch_ops.outcome import EXIT_INTERRUPTED, outcome_of
 from sparktorch_ops.results import OUTPUT_CUT_NOTE, MetricRecord, RunResult
 from sparktorch_ops.spec import LOCAL_PROCESSES_PER_CPU, LaunchSpec
 from sparktorch_ops.wire import channel, messages
