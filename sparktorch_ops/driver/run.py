@@ -241,13 +241,11 @@ class Run:
             finally:
                 self.job.cancel_token.detach()
             collector = launched.collector
-            if code != 0 or collector.ranks.failed:
+            heard = collector.status()
+            if code != 0 or heard.failed:
                 failures = collector.failures()
                 cause = infrastructure_cause(
-                    failures,
-                    collector.ranks.lost_nodes,
-                    collector.ranks.lost_ranks(),
-                    launched.launcher.spark_error,
+                    failures, heard.lost_nodes, heard.lost_ranks, launched.launcher.status().cause
                 )
                 raise _AttemptFailed(
                     errors.TrainingFailedError(failures, note),
