@@ -39,9 +39,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sparktorch_ops import options
-from sparktorch_ops.errors import ConfigError, SparkTorchError
+from sparktorch_ops.errors import ConfigError, SparkTorchError, outcome_of
 from sparktorch_ops.job import CancelToken, TrainingJob, build_job
-from sparktorch_ops.outcome import outcome_of
 from sparktorch_ops.spark.session import SparkSettings
 
 

@@ -1,21 +1,47 @@
-"""The error hierarchy.
+"""The error hierarchy, and what an error means for whoever called the run.
 
 Every error raised by sparktorch_ops derives from :class:`SparkTorchError`. All of them survive
 pickling (they cross Spark task and process boundaries), which is why each class with its own
-``__init__`` also defines ``__reduce__``.
+``__init__`` also defines ``__reduce__``. Each class says how a run that raised it ended for an
+orchestrator (its ``status``, ``retryable``, ``exit_status``); :func:`outcome_of` reads that
+for any exception, one mapping shared by the Airflow operator (fail vs retryable failure), the
+Prefect task (summary status, retry condition), the CLI (exit status) and the run's final
+state, so they never disagree.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from sparktorch_ops.events import RunState
 
 if TYPE_CHECKING:
     from sparktorch_ops.results import RankFailure
 
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+EXIT_TIMEOUT = 124
+EXIT_INTERRUPTED = 130
+_TAIL_LINES = 40
+
 
 class SparkTorchError(Exception):
-    """Base class of every error sparktorch_ops raises."""
+    """Base class of every error sparktorch_ops raises.
+
+    Attributes:
+        status: how a run that raised it ended (:attr:`Outcome.status`).
+        retryable: whether running the job again may succeed.
+        exit_status: the CLI's exit status.
+        said_as: what an orchestrator's message starts with (None: the class's name).
+    """
+
+    status: ClassVar[str] = "failed"
+    retryable: ClassVar[bool] = True
+    exit_status: ClassVar[int] = EXIT_FAILED
+    said_as: ClassVar[str | None] = None
 
 
 def split_stacks(text: str) -> tuple[str, str]:
@@ -38,11 +64,16 @@ def _with_where(text: str, stacks: Mapping[int, str]) -> str:
 
 
 class ConfigError(SparkTorchError, ValueError):
-    """A bad argument or setting, found before anything was launched.
+    """A bad argument or setting, found before anything was launched (never retryable).
 
     Attributes:
         argument: the name of the offending argument or setting.
     """
+
+    status = "bad_input"
+    retryable = False
+    exit_status = EXIT_CONFIG
+    said_as = "bad input"
 
     def __init__(self, argument: str, message: str) -> None:
         super().__init__(f"{argument}: {message}")
@@ -74,6 +105,9 @@ class ResultTooLargeError(ChannelError):
         setting: the option that sets it (``max_result_bytes``).
         exact: whether ``size`` is the value's whole size.
     """
+
+    retryable = False
+    said_as = ""
 
     def __init__(
         self, size: int, limit: int, setting: str = "max_result_bytes", exact: bool = False
@@ -120,13 +154,15 @@ class CheckpointError(SparkTorchError):
 
 
 class TrainingFailedError(SparkTorchError):
-    """One or more ranks failed.
+    """One or more ranks failed (the CLI exits with the first one's exit code).
 
     Attributes:
         failures: every failed rank of the last attempt, the root cause first.
         attempts: every attempt of the run (``max_failures``), the failed last one included;
             empty when the run failed before its first attempt started.
     """
+
+    said_as = "training failed"
 
     def __init__(
         self, failures: Sequence[RankFailure], note: str = "", attempts: Sequence[Any] = ()
@@ -234,6 +270,10 @@ class TrainingStalledError(TrainingFailedError):
 
 
 class _TimeoutBase(SparkTorchError, TimeoutError):
+    status = "timed_out"
+    exit_status = EXIT_TIMEOUT
+    said_as = ""
+
     def __init__(
         self,
         setting: str,
@@ -276,11 +316,17 @@ class TrainingTimeoutError(_TimeoutBase):
 class TrainingCancelledError(SparkTorchError):
     """The run was cancelled (``cancel()``, a signal, or the orchestrator) and torn down.
 
+    Retryable: the orchestrator stopped the task (on_kill, a worker shutting down), its call.
+
     Attributes:
         reason: who or what cancelled it.
         stacks: where each rank was when it was stopped, by rank (see
             :class:`TrainingStalledError`); empty when no rank was running.
     """
+
+    status = "cancelled"
+    exit_status = EXIT_INTERRUPTED
+    said_as = ""
 
     def __init__(self, reason: str = "cancelled", stacks: Mapping[int, str] | None = None) -> None:
         self.reason = reason
@@ -300,3 +346,71 @@ class SparkJobKilledError(TrainingCancelledError):
     ``SparkContext.cancelJobGroup`` / ``cancelAllJobs`` / ``cancelJob``. Not retryable: someone
     stopped it on purpose.
     """
+
+    retryable = False  # a retry would undo what its killer did
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a run ended, as an orchestrator needs to know it.
+
+    Attributes:
+        status: ``succeeded``, ``bad_input``, ``failed``, ``timed_out``, ``cancelled`` or
+            ``error`` (an unexpected exception, not one of ours).
+        retryable: whether running the job again may succeed (bad input never does; nor is
+            a Spark job killed from the Spark UI rerun behind its killer's back).
+        message: one paragraph for a task log or a UI (the error's own text).
+        rank: the rank that failed first, for a training failure.
+        host: that rank's host.
+        tail: the last lines of that rank's output, traceback included.
+        exit_status: the CLI's exit status (0, 2, the rank's exit code or 1, 124, 130).
+    """
+
+    status: str
+    retryable: bool
+    message: str
+    rank: int | None = None
+    host: str | None = None
+    tail: str = ""
+    exit_status: int = EXIT_OK
+
+    @property
+    def headline(self) -> str:
+        """The message's first line."""
+        lines = self.message.strip().splitlines()
+        return lines[0] if lines else self.status
+
+    @property
+    def state(self) -> RunState:
+        """The final state of the run (bad input and unexpected errors are failures)."""
+        final = {state.value: state for state in RunState if state.final}
+        return final.get(self.status, RunState.FAILED)
+
+
+def outcome_of(error: BaseException | None) -> Outcome:
+    """Map what a run raised (None: it succeeded) to an :class:`Outcome`."""
+    if error is None:
+        return Outcome("succeeded", False, "training succeeded")
+    message = str(error) or type(error).__name__
+    if isinstance(error, SparkTorchError):
+        said_as = type(error).__name__ if error.said_as is None else error.said_as
+        if said_as:
+            message = f"{said_as}: {message}"
+        first = error.first_failure if isinstance(error, TrainingFailedError) else None
+        if first is None:
+            return Outcome(error.status, error.retryable, message, exit_status=error.exit_status)
+        return Outcome(
+            error.status,
+            error.retryable,
+            message,
+            rank=first.rank,
+            host=first.host,
+            tail="\n".join(first.output_tail.splitlines()[-_TAIL_LINES:]),
+            exit_status=first.exit_code or error.exit_status,
+        )
+    message = f"{type(error).__name__}: {message}"
+    if isinstance(error, TimeoutError):
+        return Outcome("timed_out", True, message, exit_status=EXIT_TIMEOUT)
+    if isinstance(error, (KeyboardInterrupt, SystemExit)) or not isinstance(error, Exception):
+        return Outcome("cancelled", True, message, exit_status=EXIT_INTERRUPTED)
+    return Outcome("error", True, message, exit_status=EXIT_FAILED)

@@ -7,8 +7,7 @@ from typing import Any
 from airflow.providers.common.compat.sdk import AirflowException, AirflowFailException
 
 from sparktorch_ops.airflow import storage, task_instance
-from sparktorch_ops.errors import SparkTorchError
-from sparktorch_ops.outcome import outcome_of
+from sparktorch_ops.errors import SparkTorchError, outcome_of
 from sparktorch_ops.results import RunResult
 
 

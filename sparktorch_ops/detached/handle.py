@@ -17,7 +17,13 @@ from typing import Any
 
 import pendulum
 
-from sparktorch_ops.detached.rundir import RunDirectory, RunDirectoryError, state_of
+from sparktorch_ops.detached.rundir import (
+    FINAL_STATES,
+    LOST,
+    RunDirectory,
+    RunDirectoryError,
+    state_of,
+)
 from sparktorch_ops.errors import SparkTorchError
 from sparktorch_ops.results import Attempt, MetricRecord, RunResult
 
@@ -54,7 +60,7 @@ class RunStatus:
     @property
     def done(self) -> bool:
         """Whether the run is over (however it ended)."""
-        return self.state in ("succeeded", "failed", "cancelled", "timed_out", "lost")
+        return self.state in FINAL_STATES
 
 
 class RunLostError(SparkTorchError):
@@ -109,7 +115,7 @@ class RunHandle:
         status = self.directory.status()
         state = state_of(status)
         if state == "submitted" and time.time() - float(self.identity["created"]) > 120:
-            state = "lost"  # a driver writes its status within seconds of its start
+            state = LOST  # a driver writes its status within seconds of its start
         end = self.directory.end()
         if end is not None:
             state = str(end.get("state", state))
@@ -154,7 +160,7 @@ class RunHandle:
         """
         end = self.directory.end()
         if end is None:
-            if self.status().state == "lost":
+            if self.status().state == LOST:
                 raise RunLostError(self.run_dir)
             raise RunDirectoryError(
                 self.run_dir, "holds a run that has not ended yet: wait() for it"

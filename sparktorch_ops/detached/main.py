@@ -25,10 +25,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sparktorch_ops.detached.rundir import STREAMS, RunDirectory
-from sparktorch_ops.errors import SparkTorchError
+from sparktorch_ops.errors import SparkTorchError, outcome_of
 from sparktorch_ops.events import PhaseEvent, RunState
 from sparktorch_ops.job import CancelToken, TrainingJob
-from sparktorch_ops.outcome import outcome_of
 from sparktorch_ops.results import MetricRecord, RunResult
 from sparktorch_ops.spark.session import SparkSettings
 from sparktorch_ops.spec import LaunchSpec
@@ -37,7 +36,6 @@ from sparktorch_ops.wire.payload import FunctionCall
 _FLUSH_S = 0.5
 _HEARTBEAT_S = 2.0
 _CANCEL_POLL_S = 1.0
-_FINAL = {"succeeded": "succeeded", "cancelled": "cancelled", "timed_out": "timed_out"}
 
 
 @dataclass(frozen=True)
@@ -139,7 +137,7 @@ class RunWriter:
             self.directory.write_end(summary, value=pickle.dumps(result.value))
         else:
             assert error is not None
-            state = _FINAL.get(outcome_of(error).status, "failed")
+            state = outcome_of(error).state.value
             try:
                 raised = pickle.dumps(error)
             except Exception:

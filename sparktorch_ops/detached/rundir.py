@@ -34,13 +34,16 @@ from collections.abc import Iterator
 from typing import Any
 
 from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.events import RunState
 
 FORMAT = 1
 STREAMS = ("events", "metrics", "logs")
 #: A driver whose heartbeat is older than this is taken for dead (it writes one every few s).
 LOST_AFTER_S = 30.0
 _CHUNK = re.compile(r"^(\d{8})\.jsonl$")
-FINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "timed_out", "lost"})
+#: A detached run ends in a run's final state, or ``lost`` (its driver died unfinished).
+LOST = "lost"
+FINAL_STATES = frozenset({state.value for state in RunState if state.final} | {LOST})
 
 
 class RunDirectoryError(ConfigError):
@@ -325,5 +328,5 @@ def state_of(status: dict[str, Any], now: float | None = None) -> str:
         return state
     beat = status.get("heartbeat")
     if isinstance(beat, int | float) and (now or time.time()) - beat > LOST_AFTER_S:
-        return "lost"
+        return LOST
     return state

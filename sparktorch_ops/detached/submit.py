@@ -35,6 +35,7 @@ from sparktorch_ops.detached.handle import RunHandle
 from sparktorch_ops.detached.main import DetachedJob
 from sparktorch_ops.detached.rundir import FINAL_STATES, RunDirectory, RunDirectoryError
 from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.events import RunState
 from sparktorch_ops.job import TrainingJob
 from sparktorch_ops.results import MetricRecord
 from sparktorch_ops.spark.dataframe import DataInput
@@ -157,7 +158,7 @@ def submit_job(
             )
         handle = RunHandle(directory.location)
         state = _state_once_stopped(handle, directory)
-        if state not in ("failed", "cancelled", "timed_out", "lost"):
+        if state == RunState.SUCCEEDED.value or state not in FINAL_STATES:
             log.info(
                 "sparktorch_ops: the training %s is already %s in %s: reattached, not "
                 "submitted again",

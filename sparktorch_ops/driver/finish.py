@@ -55,8 +55,8 @@ def run_result(
     collector, sc, data = launched.collector, prepared.sc, prepared.data
     return RunResult(
         value=value,
-        exit_codes=collector.ranks.exit_codes(),
-        outputs=collector.ranks.outputs(),
+        exit_codes=collector.exit_codes(),
+        outputs=collector.outputs(),
         metrics=list(collector.metrics.records),
         metrics_dropped=collector.metrics.dropped,
         started_at=started_at,

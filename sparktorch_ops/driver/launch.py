@@ -113,12 +113,11 @@ def _launcher(
             payload,
             secret,
             sc,
-            release=server.close,
             handler=collector,
             on_unreachable=_say_unreachable(plan.run_id, server.address, log),
             data=data,
         )
-    return BarrierLauncher(plan, payload, secret, sc, release=server.close, data=data)
+    return BarrierLauncher(plan, payload, secret, sc, data=data)
 
 
 @contextlib.contextmanager
@@ -140,7 +139,9 @@ def launch(
     def on_phase(name: str, **where: Any) -> None:
         # A phase seen on the channel; the last rank to connect makes the run RUNNING.
         machine.emit(name, **where)
-        if name == events.SUPERVISOR_CONNECTED and collector.ranks.started() >= spec.num_processes:
+        if name != events.SUPERVISOR_CONNECTED:
+            return
+        if collector.status().connected >= spec.num_processes:
             machine.advance(RunState.STARTING, RunState.RUNNING)
 
     collector = RunCollector(
@@ -194,13 +195,13 @@ def launch(
     except BaseException:
         if launcher is not None:
             machine.emit(events.TEARDOWN)
-            collector.output.tearing_down = True
-            launcher.teardown()
-            server.drain(collector.all_disconnected, _COLLATERAL_S)
+            collector.tearing_down()
+            launcher.stop()
+            server.drain(lambda: not collector.status().open_clients, _COLLATERAL_S)
         raise
     finally:
         server.close()
         collector.coordinator.close()
         if launcher is not None:
-            launcher.finish()
+            launcher.release()
             machine.emit(events.LAUNCHER_FINISHED)

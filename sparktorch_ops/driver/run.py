@@ -34,7 +34,6 @@ from sparktorch_ops.driver.supervise import POLL_S, Supervisor
 from sparktorch_ops.driver.tracking import MlflowTracker, start_tracking
 from sparktorch_ops.events import RunState, RunStateMachine
 from sparktorch_ops.job import TrainingJob
-from sparktorch_ops.outcome import outcome_of
 from sparktorch_ops.results import Attempt, MetricRecord, RunResult
 from sparktorch_ops.spec import LaunchSpec
 
@@ -137,7 +136,7 @@ class Run:
             final = RunState.SUCCEEDED
         except BaseException as exc:
             self._outcome = exc
-            final = _final_state(exc)
+            final = errors.outcome_of(exc).state
         finally:
             if uses_console:
                 console.release()
@@ -242,13 +241,11 @@ class Run:
             finally:
                 self.job.cancel_token.detach()
             collector = launched.collector
-            if code != 0 or collector.ranks.failed:
+            heard = collector.status()
+            if code != 0 or heard.failed:
                 failures = collector.failures()
                 cause = infrastructure_cause(
-                    failures,
-                    collector.ranks.lost_nodes,
-                    collector.ranks.lost_ranks(),
-                    launched.launcher.spark_error,
+                    failures, heard.lost_nodes, heard.lost_ranks, launched.launcher.status().cause
                 )
                 raise _AttemptFailed(
                     errors.TrainingFailedError(failures, note),
@@ -283,14 +280,3 @@ class _AttemptFailed(Exception):
         if first is None:
             return Cause(self.error.note or "the training failed")
         return Cause(first.describe(), first.host or None)
-
-
-_FINAL_STATES = {
-    "cancelled": RunState.CANCELLED,
-    "timed_out": RunState.TIMED_OUT,
-}
-
-
-def _final_state(error: BaseException) -> RunState:
-    """The state a run that raised ``error`` ends in: the outcome mapping's, one place."""
-    return _FINAL_STATES.get(outcome_of(error).status, RunState.FAILED)

@@ -274,8 +274,7 @@ class MlflowTracker:
         that a retry may mend leaves the run RUNNING for that retry (its outcome tagged); a
         success, bad input and a cancel end it either way.
         """
-        from sparktorch_ops.errors import TrainingCancelledError
-        from sparktorch_ops.outcome import outcome_of
+        from sparktorch_ops.errors import TrainingCancelledError, outcome_of
 
         if not self.run_id:
             return

@@ -7,10 +7,10 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from sparktorch_ops.errors import ConfigError, SparkJobKilledError
+from sparktorch_ops.launchers.base import LauncherStatus
 from sparktorch_ops.node.task import STAGE_DDL, BarrierTask, TaskReport, stage_row_item, stage_rows
 from sparktorch_ops.spark.dataframe import PreparedInput, barrier_refused
 from sparktorch_ops.spark.preflight import other_python_version
@@ -34,14 +34,13 @@ class BarrierLauncher:
         secret: the run's secret (inside the Spark task, never in an environment).
         sc: the SparkContext.
         data: DataFrame input, laid out over the tasks (None: none).
-        release: closes the driver's channel. Task 0 hosts the rendezvous store and keeps it
-            until the driver says the run is over; closing the channel is how it says it.
+
+    Task 0 hosts the rendezvous store and keeps it until the driver says the run is over:
+    closing the driver's channel is how it says it.
     """
 
-    default_start_timeout: float | None = None
-    start_timeout_hint = ""
-    explains_losses = True
-    needs_release = True
+    _start_timeout: float | None = None  # the start deadline when the run sets none
+    _start_timeout_hint = ""
 
     def __init__(
         self,
@@ -49,7 +48,6 @@ class BarrierLauncher:
         payload: Payload,
         secret: str,
         sc: SparkContext,
-        release: Callable[[], None],
         data: PreparedInput | None = None,
     ) -> None:
         self._plan = plan
@@ -61,24 +59,16 @@ class BarrierLauncher:
             data_schema=data.facts.schema_json if data is not None else None,
         )
         self._sc = sc
-        self._release = release
         self._reports: list[TaskReport] | None = None
         self._error: BaseException | None = None
         self._stopping = False
-        self.spark_error: str | None = None
-        self.spark_error_detail = ""
+        self._cause: str | None = None  # Spark's reason for the failed job
+        self._cause_detail = ""
+        self._tasks_started = False  # a classic run learns it from its ranks
         self._killed = False
         self._wrong_python: ConfigError | None = None
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
-
-    @property
-    def stage_started(self) -> bool:
-        """Whether Spark said the barrier tasks run (a classic run learns it from its ranks)."""
-        return False
-
-    def look_for_cause(self) -> None:
-        """Tasks were lost: find out why as soon as possible (Spark's error says it here)."""
 
     def start(self) -> None:
         """Submit the barrier job from a helper thread (``collect`` blocks until it ends)."""
@@ -96,7 +86,7 @@ class BarrierLauncher:
                 message = _java_message(exc)
                 self._killed = not self._stopping and _cancelled_by_spark(message)
                 self._wrong_python = other_python_version(message)
-                self.spark_error, self.spark_error_detail = _summarize(exc, message)
+                self._cause, self._cause_detail = _summarize(exc, message)
             finally:
                 self._error = exc
         finally:
@@ -146,29 +136,39 @@ class BarrierLauncher:
         """Cancel the stage's job by the run's tag."""
         self._sc.cancelJobsWithTag(self._plan.run_id)
 
-    def release_rendezvous(self) -> None:
-        """Every agent is done with the store: let task 0 drop it and the tasks end."""
-        self._release()
+    def status(self, *, lost: bool = False) -> LauncherStatus:
+        """The job's overall status once it has ended, with each failed task's story; Spark's
+        own error says why tasks were lost.
 
-    def poll(self) -> tuple[int, str] | None:
-        """The job's overall status once it has ended, with each failed task's story.
-
-        Raises:
-            SparkJobKilledError: the job was cancelled from outside the run (the Spark UI's
-                kill link, ``cancelJobGroup``, ``cancelAllJobs``).
-            ConfigError: the executors' Python is not the driver's version.
+        Its ``error``: the job was cancelled from outside the run (``SparkJobKilledError``:
+        the Spark UI's kill link, ``cancelJobGroup``, ``cancelAllJobs``), or the executors'
+        Python is not the driver's version (``ConfigError``).
         """
-        if not self._done.is_set():
-            return None
+        done = self._done.is_set()
+        return LauncherStatus(
+            exit=self._exit() if done else None,
+            error=self._raised() if done else None,
+            tasks_started=self._tasks_started,
+            cause=self._cause,
+            cause_detail=self._cause_detail,
+            cause_pending=not done,
+            start_timeout=self._start_timeout,
+            start_timeout_hint=self._start_timeout_hint,
+        )
+
+    def _raised(self) -> BaseException | None:
         if self._wrong_python is not None:
-            raise self._wrong_python
+            return self._wrong_python
         if self._killed:
-            raise SparkJobKilledError(
+            return SparkJobKilledError(
                 f"the Spark job was killed outside sparktorch_ops (the Spark UI's kill link, "
-                f"cancelJob, cancelJobGroup or cancelAllJobs): {self.spark_error}"
+                f"cancelJob, cancelJobGroup or cancelAllJobs): {self._cause}"
             )
+        return None
+
+    def _exit(self) -> tuple[int, str]:
         if self._error is not None:
-            return 1, f"the Spark job failed: {self.spark_error or _first_line(self._error)}"
+            return 1, f"the Spark job failed: {self._cause or _first_line(self._error)}"
         reports = self._reports or []
         notes = [f"task {r.node}: {r.error}" for r in reports if r.error]
         failed = [r for r in reports if r.exit_code != 0]
@@ -181,7 +181,7 @@ class BarrierLauncher:
         ]
         return 1, "; ".join(notes)
 
-    def teardown(self) -> None:
+    def stop(self) -> None:
         """Cancel the job by its tag; the tasks stop their agents when the channel closes."""
         if self._done.is_set() or self._thread is None:
             return
@@ -192,7 +192,7 @@ class BarrierLauncher:
             pass
         self._wait_stopped(5.0)
 
-    def finish(self) -> None:
+    def release(self) -> None:
         """After the run, however it ended: wait (bounded) for the Spark job to be over."""
         if self._thread is not None:
             self._wait_stopped(30.0)

@@ -1,57 +1,59 @@
 """What the run loop needs of a launcher, whichever way it starts a run's agents.
 
 Constructing a launcher does nothing; ``start()`` does the I/O (a work directory and the agent on
-the driver, or the Spark barrier job). Every launcher then exposes the same small surface to the
-run loop in :mod:`sparktorch_ops.distributor`: ``poll()`` (None while running, else the overall
-exit status and a note), ``teardown()`` (idempotent: stop everything of the run) and
-``finish()`` (after the run, however it ended).
+the driver, or the Spark barrier job). Every launcher then answers supervision with one
+:class:`LauncherStatus` (``status()``), and ends the same two ways: ``stop()`` (the run raised:
+stop everything of it now; idempotent) and ``release()`` (after the run, however it ended:
+nothing of it left).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 
-class Launcher(Protocol):
-    """What the run loop needs of a launcher; it never asks which kind it holds.
+@dataclass(frozen=True)
+class LauncherStatus:
+    """What a launcher knows of its run, at one moment.
 
     Attributes:
-        default_start_timeout: the start deadline when the run sets none (None: no deadline).
+        exit: None while the agents run; else the overall exit status and a note.
+        error: what ends the run instead of an exit status, for supervision to raise: the
+            job killed outside the run (``SparkJobKilledError``), executors whose Python is
+            not the driver's version (``ConfigError``).
+        tasks_started: the launcher saw every rank's task start (a start deadline then no
+            longer applies: the ranks are past waiting for slots).
+        cause: the cluster's own reason for a failed job, once known.
+        cause_detail: the same with the cluster's detail (the failed task's story).
+        cause_pending: the cluster may still say why something of the run was lost (its job
+            has not ended): worth a short wait.
+        start_timeout: the start deadline when the run sets none (None: no deadline).
         start_timeout_hint: what a start timeout's message adds (why slots may have lacked).
-        explains_losses: a lost rank or task has a cause this launcher can find
-            (:meth:`look_for_cause`, then ``spark_error``).
-        needs_release: the agents share a rendezvous store that :meth:`release_rendezvous`
-            lets go once every agent is done with it.
-        spark_error: Spark's own reason for a failed job, once known (else None).
-        spark_error_detail: the same with Spark's detail (the failed task's story).
     """
 
-    default_start_timeout: float | None
-    start_timeout_hint: str
-    explains_losses: bool
-    needs_release: bool
-    spark_error: str | None
-    spark_error_detail: str
+    exit: tuple[int, str] | None = None
+    error: BaseException | None = None
+    tasks_started: bool = False
+    cause: str | None = None
+    cause_detail: str = ""
+    cause_pending: bool = False
+    start_timeout: float | None = None
+    start_timeout_hint: str = ""
 
-    @property
-    def stage_started(self) -> bool:
-        """Whether the launcher saw every rank's task start (a start deadline then no longer
-        applies: the ranks are past waiting for slots)."""
+
+class Launcher(Protocol):
+    """What the run loop needs of a launcher; it never asks which kind it holds."""
 
     def start(self) -> None:
         """Start the run's agents."""
 
-    def poll(self) -> tuple[int, str] | None:
-        """None while running; else the overall exit status and a note."""
+    def status(self, *, lost: bool = False) -> LauncherStatus:
+        """Where the run's agents are now; ``lost``: something of the run was lost, look for
+        why at once."""
 
-    def look_for_cause(self) -> None:
-        """Something was lost: find out why as soon as possible."""
+    def stop(self) -> None:
+        """Stop everything of the run now (idempotent)."""
 
-    def release_rendezvous(self) -> None:
-        """Every agent is done with the rendezvous store: let it go."""
-
-    def teardown(self) -> None:
-        """Stop everything of the run (idempotent)."""
-
-    def finish(self) -> None:
-        """After the run, however it ended: nothing of it left."""
+    def release(self) -> None:
+        """After the run, however it ended: nothing of it left (waits, bounded, for that)."""

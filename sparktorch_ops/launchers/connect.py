@@ -19,12 +19,14 @@ seen through the live channel or Spark Connect's progress reports.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from sparktorch_ops.launchers.barrier import BarrierLauncher
+from sparktorch_ops.launchers.base import LauncherStatus
 from sparktorch_ops.node.relay import RelayedFrame, Replayer
 from sparktorch_ops.node.task import (
     REACH_TIMEOUT_S,
@@ -63,16 +65,14 @@ class ConnectBarrierLauncher(BarrierLauncher):
         payload: what the ranks run.
         secret: the run's secret (inside the Spark task, never in an environment).
         session: the Spark Connect session.
-        release: closes the driver's channel (the tasks no longer wait for it; kept so that
-            live tasks end as on a classic session).
         handler: the run's collector, fed the frames that tasks relayed.
         on_unreachable: called once, with the reasons by task, when some task could not reach
             the driver's channel and relayed instead.
         data: DataFrame input, laid out over the tasks (None: none).
     """
 
-    default_start_timeout: float | None = START_DEADLINE_S
-    start_timeout_hint = (
+    _start_timeout: float | None = START_DEADLINE_S
+    _start_timeout_hint = (
         " (over Spark Connect the free task slots cannot be counted beforehand: the cluster "
         "may lack them)"
     )
@@ -83,12 +83,11 @@ class ConnectBarrierLauncher(BarrierLauncher):
         payload: Payload,
         secret: str,
         session: Any,
-        release: Callable[[], None],
         handler: channel.ChannelHandler,
         on_unreachable: Callable[[dict[int, str]], None],
         data: PreparedInput | None = None,
     ) -> None:
-        super().__init__(plan, payload, secret, session, release, data)
+        super().__init__(plan, payload, secret, session, data)
         self._task = BarrierTask(
             plan=plan,
             secret=secret,
@@ -100,15 +99,9 @@ class ConnectBarrierLauncher(BarrierLauncher):
         self._handler = handler
         self._on_unreachable = on_unreachable
         self._job_thread: int | None = None
-        self._stage_started = False
         self._next_server_check = time.monotonic() + _SERVER_CHECK_S
         self._server_misses = 0
         self._server_lost = False
-
-    @property
-    def stage_started(self) -> bool:
-        """Whether Spark Connect reported every barrier task running (sticky)."""
-        return self._stage_started
 
     def _progress(
         self, stages: Iterable[Any] | None, inflight_tasks: int, *_: Any, **__: Any
@@ -120,7 +113,7 @@ class ConnectBarrierLauncher(BarrierLauncher):
         num_tasks = self._plan.layout.num_tasks
         running = [s for s in stages if not s.done and s.num_tasks == num_tasks]
         if running and inflight_tasks >= num_tasks:
-            self._stage_started = True
+            self._tasks_started = True  # sticky
 
     def _submit(self) -> list[TaskReport]:
         spark, plan = self._session, self._plan
@@ -164,29 +157,37 @@ class ConnectBarrierLauncher(BarrierLauncher):
             self._on_unreachable(unreachable)
         return reports
 
-    def look_for_cause(self) -> None:
-        """Tasks were lost: is the server still there? (asked at the next poll)"""
-        self._next_server_check = 0.0
-
-    def poll(self) -> tuple[int, str] | None:
+    def status(self, *, lost: bool = False) -> LauncherStatus:
         """As a classic stage's; besides, a Connect server that stops answering ends the run
-        (its client would retry for many minutes before the stage's call fails)."""
-        status = super().poll()
-        if status is not None or time.monotonic() < self._next_server_check:
-            return status
+        (its client would retry for many minutes before the stage's call fails). ``lost``:
+        is the server still there? (asked at once)"""
+        if lost:
+            self._next_server_check = 0.0
+        if (
+            not self._done.is_set()
+            and not self._server_lost
+            and time.monotonic() >= self._next_server_check
+        ):
+            self._check_server()
+        status = super().status()
+        if self._server_lost and status.exit is None:
+            assert self._cause is not None
+            return dataclasses.replace(status, exit=(1, self._cause), cause_pending=False)
+        return status
+
+    def _check_server(self) -> None:
         self._next_server_check = time.monotonic() + _SERVER_CHECK_S
         if connect_server_reachable(self._session):
             self._server_misses = 0
-            return None
+            return
         self._server_misses += 1
         if self._server_misses < 2:
             self._next_server_check = time.monotonic() + 1.0  # look again soon
-            return None
+            return
         host, port = connect_endpoint(self._session)
         self._server_lost = True
-        self.spark_error = f"lost the Spark Connect server at {host}:{port} (it stopped answering)"
-        self.spark_error_detail = self.spark_error
-        return 1, self.spark_error
+        self._cause = f"lost the Spark Connect server at {host}:{port} (it stopped answering)"
+        self._cause_detail = self._cause
 
     def _wait_stopped(self, timeout: float) -> None:
         # With the server gone, the stage's call only ends when the client's retries give up

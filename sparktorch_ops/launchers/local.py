@@ -10,6 +10,7 @@ import tempfile
 from sparktorch_ops.data.shards import epoch_rows, write_schema_file, write_shards
 from sparktorch_ops.driver.collector import RunCollector
 from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.launchers.base import LauncherStatus
 from sparktorch_ops.node.process import AgentProcess, marked_processes, terminate_processes
 from sparktorch_ops.node.warm import ForkedAgent, TorchImportError, after_run, start_agent
 from sparktorch_ops.spark.dataframe import PreparedInput, stream_batches
@@ -20,21 +21,8 @@ from sparktorch_ops.wire.plan import RunPlan
 
 
 class LocalLauncher:
-    """One torchrun agent on the driver, with every rank (its rendezvous store is its own)."""
-
-    default_start_timeout: float | None = None
-    start_timeout_hint = ""
-    explains_losses = False  # a lost rank is all there is to say
-    needs_release = False
-    spark_error: str | None = None
-    spark_error_detail = ""
-    stage_started = False
-
-    def look_for_cause(self) -> None:
-        """Nothing beyond the ranks' own reports."""
-
-    def release_rendezvous(self) -> None:
-        """The agent's store ends with the agent."""
+    """One torchrun agent on the driver, with every rank (its rendezvous store is its own; a
+    lost rank is all there is to say, no cluster knows more)."""
 
     def __init__(
         self,
@@ -114,20 +102,20 @@ class LocalLauncher:
             EPOCH_ROWS_ENV: str(epoch_rows(shard.rows for shard in shards)),
         }
 
-    def poll(self) -> tuple[int, str] | None:
+    def status(self, *, lost: bool = False) -> LauncherStatus:
         """The agent's exit status once it is gone."""
         assert self._agent is not None
         code = self._agent.poll()
         if code is None:
-            return None
+            return LauncherStatus()
         self._agent.finish_output()
-        return code, "" if code == 0 else f"torchrun exited with code {code}"
+        return LauncherStatus(exit=(code, "" if code == 0 else f"torchrun exited with code {code}"))
 
-    def finish(self) -> None:
+    def release(self) -> None:
         """After the run, however it ended: no straggler, no work directory."""
-        self.teardown()
+        self.stop()
 
-    def teardown(self) -> None:
+    def stop(self) -> None:
         """Stop the agent (SIGTERM, then SIGKILL) and every process of the run."""
         agent = self._agent
         try:

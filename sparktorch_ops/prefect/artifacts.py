@@ -32,9 +32,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.errors import ConfigError, outcome_of
 from sparktorch_ops.events import SESSION_READY
-from sparktorch_ops.outcome import outcome_of
 from sparktorch_ops.results import MetricRecord, RunResult, latest_values
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
@@ -240,8 +239,7 @@ def describe_error(exc: BaseException, timeout_seconds: float | None = None) -> 
             "stopped and every process of the run ended"
         )
     outcome = outcome_of(exc)
-    status = {"timed_out": "timed out", "cancelled": "cancelled"}.get(outcome.status, "failed")
-    return status, outcome.message
+    return outcome.state.value.replace("_", " "), outcome.message
 
 
 class RunArtifacts:

@@ -14,7 +14,7 @@ from prefect.context import TaskRunContext
 from prefect.states import State
 
 from sparktorch_ops.driver.durable import RecordError, RecordFile, StoredTraining, TrainingTry
-from sparktorch_ops.outcome import outcome_of
+from sparktorch_ops.errors import outcome_of
 
 
 @dataclass

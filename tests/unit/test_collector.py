@@ -39,7 +39,7 @@ def test_first_failure_is_the_root_cause_and_fatal_without_restarts() -> None:
         c.on_hello(peer(rank, rank))
     c.on_frame(peer(1, 1), messages.EXIT, exit_frame(3))
     c.on_frame(peer(0, 0), messages.EXIT, exit_frame(None, "SIGTERM"))
-    assert c.ranks.fatal
+    assert c.status().fatal
     failures = c.failures()
     assert [(f.rank, f.exit_code, f.signal) for f in failures] == [
         (1, 3, None),
@@ -51,18 +51,22 @@ def test_failures_before_the_last_restart_are_not_fatal() -> None:
     c = collector(max_restarts=1)
     c.on_hello(peer(1, 1))
     c.on_frame(peer(1, 1), messages.EXIT, exit_frame(1))
-    assert c.ranks.failure_order == [1] and not c.ranks.fatal
+    status = c.status()
+    assert [f.rank for f in c.failures()] == [1] and status.failed and not status.fatal
     c.on_hello(peer(2, 1, attempt=1))  # torchrun restarted the group
-    assert c.ranks.failure_order == [] and not c.ranks.fatal
+    status = c.status()
+    assert c.failures() == [] and not status.failed and not status.fatal
     c.on_frame(peer(2, 1, attempt=1), messages.EXIT, exit_frame(1))
-    assert c.ranks.fatal
+    assert c.status().fatal
 
 
 def test_a_vanished_rank_is_a_failure() -> None:
     c = collector()
     c.on_hello(peer(7, 0))
     c.on_closed(peer(7, 0))
-    assert c.ranks.fatal and c.failures()[0].reason.startswith("the rank's process vanished")
+    status = c.status()
+    assert status.fatal and status.lost and status.lost_ranks == {0: "h0"}
+    assert c.failures()[0].reason.startswith("the rank's process vanished")
 
 
 def test_a_truncated_result_is_not_a_result() -> None:
@@ -117,6 +121,6 @@ def test_a_notice_is_logged_at_its_own_level_and_kept_in_the_ranks_tail(
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.INFO, f"[rank 0|h0] {text}")
     ]
-    assert c.ranks.outputs()[0] == text
+    assert c.outputs()[0] == text
     with pytest.raises(messages.MessageError, match="logging level"):
         Notice.decode(Notice(25, text).encode())

@@ -13,9 +13,9 @@ from sparktorch_ops.errors import (
     TrainingCancelledError,
     TrainingFailedError,
     TrainingTimeoutError,
+    outcome_of,
 )
 from sparktorch_ops.job import CancelToken, TrainingJob, build_job
-from sparktorch_ops.outcome import outcome_of
 from sparktorch_ops.results import RankFailure
 from sparktorch_ops.spark.session import SparkSettings
 from sparktorch_ops.spec import LaunchSpec

@@ -24,14 +24,15 @@ from sparktorch_ops.driver.collector.output import (
     cut_line,
 )
 from sparktorch_ops.errors import (
+    EXIT_INTERRUPTED,
     ConfigError,
     ResultTooLargeError,
     SparkJobKilledError,
     TrainingCancelledError,
+    outcome_of,
 )
 from sparktorch_ops.launchers.barrier import _cancelled_by_spark, _summarize
 from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
-from sparktorch_ops.outcome import EXIT_INTERRUPTED, outcome_of
 from sparktorch_ops.results import OUTPUT_CUT_NOTE, MetricRecord, RunResult
 from sparktorch_ops.spec import LOCAL_PROCESSES_PER_CPU, LaunchSpec
 from sparktorch_ops.wire import channel, messages
@@ -87,7 +88,7 @@ def test_rank_tails_hold_a_bounded_size_whatever_the_lines() -> None:
     rank0, rank1 = c.ranks.states[0].tail, c.ranks.states[1].tail
     assert sum(map(len, rank0)) <= TAIL_CHARS and len(rank1) == TAIL_LINES
     assert all(len(line) < TAIL_LINE_CHARS + 40 for line in rank0)
-    assert "[cut " in c.ranks.outputs()[0]
+    assert "[cut " in c.outputs()[0]
     assert len(c.failures()) == 0
 
 
@@ -122,9 +123,9 @@ def test_a_result_over_the_limit_is_refused_and_released_as_soon_as_it_passes() 
     worker = peer(1, 0, role="worker")
     c.on_hello(worker)
     c.on_frame(worker, messages.RESULT_CHUNK, b"x" * 60)
-    assert c.result.refused is None
+    assert c.status().refused is None
     c.on_frame(worker, messages.RESULT_CHUNK, b"x" * 60)
-    refused = c.result.refused
+    refused = c.status().refused
     assert refused is not None and (refused.size, refused.limit, refused.exact) == (120, 100, False)
     assert c.result._chunks == []  # nothing of it is held any more
     for _ in range(10):  # the rest that is still on its way is not kept

@@ -19,7 +19,7 @@ from sparktorch_ops import RankFailure, TrainingCancelledError, TrainingStalledE
 from sparktorch_ops.errors import TrainingTimeoutError
 from sparktorch_ops.rank import stacks
 from sparktorch_ops.wire.env import STACK_FDS_ENV
-from sparktorch_ops.wire.messages import STACKS, MessageError, RankStacks
+from sparktorch_ops.wire.messages import STACKS, MessageError, RankStacks, StackRequest
 from tests.unit.test_collector import collector, peer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,34 +126,52 @@ def test_where_in_a_dump_is_its_first_threads_innermost_frame() -> None:
 
 def test_the_collector_times_each_ranks_silence_from_its_connection() -> None:
     runs = collector()
-    assert runs.ranks.silences() == {}
+    assert runs.status().silent == {}
     runs.on_hello(peer(1, 0))
     runs.on_hello(peer(2, 1))
     time.sleep(0.2)
     runs.on_frame(peer(1, 0), 2, b"a line")  # stdout of rank 0: progress
-    silent = runs.ranks.silences()
+    silent = runs.status().silent
     assert silent[1] >= 0.2 > silent[0]
     runs.on_frame(peer(1, 0), 7, b'{"exit_code": 0, "signal": null, "time": 0}')
-    assert list(runs.ranks.silences()) == [1]  # an exited rank is not silent
+    assert list(runs.status().silent) == [1]  # an exited rank is not silent
 
 
 def test_answers_are_matched_to_their_request_and_logged_when_asked(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     runs = collector()
-    runs.on_hello(peer(1, 0))
-    quiet = runs.stacks.open(log=False)
-    logged = runs.stacks.open(log=True)
-    assert runs.supervisors() == {0: 1}
+    assert runs.capture_stacks(lambda conn_id, message: None, 2, log=False) == {}
+    for rank in range(3):
+        runs.on_hello(peer(rank + 1, rank))
+    runs.on_frame(peer(3, 2), 7, b'{"exit_code": null, "signal": "SIGKILL", "time": 0}')
+    runs.on_closed(peer(3, 2))
 
     def answer(request: int) -> bytes:
         return RankStacks(request, "Thread MainThread ...", "in f (t.py:1)", "threads").encode()
 
+    sent: list[tuple[int, int]] = []
+
+    def send(conn_id: int, message: StackRequest) -> None:
+        sent.append((conn_id, message.request))
+        if conn_id == 1:  # rank 0's supervisor answers; rank 1's never does
+            runs.on_frame(peer(1, 0), STACKS, answer(99))  # no such request: dropped
+            runs.on_frame(peer(1, 0), STACKS, answer(message.request))
+
     with caplog.at_level(logging.WARNING, logger="test.collector"):
-        runs.on_frame(peer(1, 0), STACKS, answer(quiet))
-        runs.on_frame(peer(1, 0), STACKS, answer(logged))
-        runs.on_frame(peer(1, 0), STACKS, answer(99))  # no such request: dropped
-    assert list(runs.stacks.answers(quiet)) == [0] and list(runs.stacks.answers(logged)) == [0]
+        quiet = runs.capture_stacks(send, 4, log=False, timeout=0.1)
+        logged = runs.capture_stacks(send, 4, log=True, timeout=0.1)
+    assert (
+        quiet
+        == logged
+        == {
+            0: "in f (t.py:1)\nThread MainThread ...",
+            1: "did not answer within 0.1 s",
+            2: "exited (SIGKILL) before it was asked",
+            3: "never connected: no supervisor to ask",
+        }
+    )
+    assert sorted(sent) == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert [r.getMessage().split("\n")[0] for r in caplog.records] == [
         "sparktorch_ops: rank 0 is in f (t.py:1) (stacks taken by its helper thread):"
     ]

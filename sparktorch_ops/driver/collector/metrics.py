@@ -41,8 +41,8 @@ class MetricLog:
                 return record.step
         return None
 
-    def add(self, rank: int, report: MetricReport) -> None:
-        """Keep ``rank``'s report and pass it to ``on_metrics``."""
+    def add(self, rank: int, report: MetricReport) -> MetricRecord:
+        """Keep ``rank``'s report (under the collector's lock); returns it for :meth:`tell`."""
         metric = MetricRecord(
             rank=rank,
             step=report.step,
@@ -62,8 +62,12 @@ class MetricLog:
                     self.records.maxlen,
                 )
         self.records.append(metric)
+        return metric
+
+    def tell(self, record: MetricRecord) -> None:
+        """Pass a kept record to ``on_metrics`` (outside the collector's lock)."""
         if self._on_metrics is not None:
             try:
-                self._on_metrics(metric)
+                self._on_metrics(record)
             except Exception:
                 self._log.exception("sparktorch_ops: the on_metrics callback raised; ignored")

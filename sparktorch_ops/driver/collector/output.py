@@ -124,7 +124,6 @@ class Forwarder:
     def __init__(self, log: Any, log_ranks: frozenset[int] | None) -> None:
         self._log = log
         self._log_ranks = log_ranks
-        self.agent_tail = Tail()
         self.tearing_down = False
 
     def rank(self, rank: int, host: str, level: int, lines: list[str]) -> None:
@@ -133,8 +132,7 @@ class Forwarder:
             self._emit(level, f"[rank {rank}|{host}]", lines)
 
     def agent(self, node: int, host: str, stderr: bool, lines: list[str]) -> None:
-        """A node's torchrun agent's lines, kept in :attr:`agent_tail` too."""
-        self.agent_tail.extend(lines)
+        """A node's torchrun agent's lines."""
         # While tearing down, torchrun's own traceback about the signal we sent is not news.
         level = logging.WARNING if stderr else logging.INFO
         if self.tearing_down:
