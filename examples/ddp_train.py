@@ -120,13 +120,14 @@ def _fit(
         if dist.get_rank() == 0:
             print(f"epoch {epoch}: loss {losses[-1]:.4f}", flush=True)
         if checkpoints is not None:
-            # Written in the background while the next epoch trains; the function's end
-            # (and destroy_process_group) waits for it.
+            # Written in the background while the next epoch trains.
             checkpoints.save(
                 checkpoints.TrainingState(model, optimizer, losses=losses),
                 epoch,
                 blocking=False,
             )
+    if checkpoints is not None:
+        checkpoints.wait()  # the last one commits before the caller destroys the process group
     accuracy = None
     if test is not None:
         with torch.no_grad():

@@ -7,7 +7,8 @@ layout torchrun put in the environment, so one training function fits every mode
 
     trainer = L.Trainer(accelerator="cpu", strategy="ddp", **lightning_trainer_kwargs(), ...)
 
-This module does not import Lightning (nor torch): it only reads environment variables.
+This module does not import Lightning (nor torch): it reads environment variables, and lists
+a checkpoint directory through fsspec.
 """
 
 from __future__ import annotations
@@ -94,38 +95,20 @@ def latest_ckpt_path(directory: str | None = None) -> str | None:
     """
     import re
 
-    from sparktorch_ops.checkpoint import checkpoint_dir
+    from sparktorch_ops.checkpoint.storage import Storage, checkpoint_dir
 
     root = directory if directory is not None else checkpoint_dir()
     if not root:
         return None
+    storage = Storage(root)
     entries: list[tuple[str, float]] = []  # (name, mtime)
-    if "://" in root:
-        from fsspec.core import url_to_fs
-
-        fs, path = url_to_fs(root)
-        try:
-            fs.invalidate_cache(path)
-            listing = fs.ls(path, detail=True)
-        except FileNotFoundError:
-            return None
-        for info in listing:
-            name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
-            if info.get("type") == "file" and name.endswith(".ckpt"):
-                try:
-                    mtime = fs.modified(info["name"]).timestamp()
-                except (NotImplementedError, OSError, AttributeError):
-                    mtime = 0.0
-                entries.append((name, mtime))
-    else:
-        try:
-            names = os.listdir(root)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        for name in names:
-            full = os.path.join(root, name)
-            if name.endswith(".ckpt") and os.path.isfile(full):
-                entries.append((name, os.path.getmtime(full)))
+    for name, info in storage.listing():
+        if info.get("type") == "file" and name.endswith(".ckpt"):
+            try:
+                mtime = storage.fs.modified(info["name"]).timestamp()
+            except (NotImplementedError, OSError, AttributeError):
+                mtime = 0.0
+            entries.append((name, mtime))
 
     def number(name: str, key: str) -> int:
         match = re.search(rf"(?:^|[-_]){key}=(\d+)", name)
@@ -141,4 +124,4 @@ def latest_ckpt_path(directory: str | None = None) -> str | None:
         best = last
     if best is None:
         return None
-    return root.rstrip("/") + "/" + best[0] if "://" in root else os.path.join(root, best[0])
+    return storage.url(best[0])

@@ -40,14 +40,15 @@ Guarantees:
   touched). A step is written once: saving a committed step again, or one this process saved
   already, raises :class:`~sparktorch_ops.errors.ConfigError`.
 * ``save(state, step, blocking=False)`` returns once the state is copied (to CPU memory) and
-  writes, commits and prunes in a background thread while training goes on, with the same
-  guarantees: its collectives run on a process group of their own (gloo), so they never
-  interleave with the training's. The thread runs at the OS's idle priority (Linux's
-  ``SCHED_IDLE``): it takes the CPU that training leaves. For a state rank 0 writes alone, the
-  other ranks copy nothing; their thread only joins the two small collectives of the commit.
+  writes, commits and prunes in the background while training goes on, with the same
+  guarantees: DCP's ``async_save`` writes on a process group of its own (gloo), so its
+  collectives never interleave with the training's, and the commit runs when the write
+  completes. A state rank 0 writes alone is one ``torch.save`` on a thread of its own (the
+  other ranks copy nothing; they only join the two small collectives of the commit).
   At most one save is in flight per rank: the next :func:`save`, :func:`load_latest`,
-  :func:`wait`, ``torch.distributed.destroy_process_group`` and the end of the training
-  function first wait for it. A background failure is raised there as
+  :func:`wait` and the end of the training function first wait for it. Call :func:`wait`
+  before ``torch.distributed.destroy_process_group()``: a save whose process group is
+  destroyed under it is not committed. A background failure is raised there as
   :class:`~sparktorch_ops.errors.CheckpointError` (naming the rank and the step), so it fails
   the run; it is also logged when it happens (in the driver's log, at WARNING). A rank
   killed while a save is in flight leaves that step uncommitted: a restart resumes the one
@@ -77,26 +78,26 @@ Random number generator states are saved only when put in the state.
 Without a process group (one plain process) save and load run in that process alone; with
 ``WORLD_SIZE`` > 1 they need ``torch.distributed.init_process_group`` first.
 
-The package's modules, one job each: :mod:`.state` (what is saved), :mod:`.layout` (the files
-on disk), :mod:`.saving` and :mod:`.background` (writing), :mod:`.loading` and :mod:`.warm`
-(reading), :mod:`.reports` (the metrics a checkpoint carries), :mod:`.group` (the ranks).
+The package's modules, one job each: :mod:`.state` (what is saved), :mod:`.storage` (the files
+on disk, local or fsspec), :mod:`.saving` (writing, in the foreground or the background),
+:mod:`.loading` and :mod:`.warm_start` (reading), :mod:`.reports` (the metrics a checkpoint
+carries), :mod:`.group` (the ranks).
 Only the standard library is imported here at import time; torch and fsspec when used.
 """
 
 from __future__ import annotations
 
-from sparktorch_ops.checkpoint.background import wait
-from sparktorch_ops.checkpoint.layout import (
+from sparktorch_ops.checkpoint.loading import latest_step, load_latest
+from sparktorch_ops.checkpoint.reports import REPORTS_FILE
+from sparktorch_ops.checkpoint.saving import save, wait
+from sparktorch_ops.checkpoint.state import TrainingState
+from sparktorch_ops.checkpoint.storage import (
     COMMIT_MARKER,
     STATE_FILE,
     checkpoint_dir,
     step_dir_name,
 )
-from sparktorch_ops.checkpoint.loading import latest_step, load_latest
-from sparktorch_ops.checkpoint.reports import REPORTS_FILE
-from sparktorch_ops.checkpoint.saving import save
-from sparktorch_ops.checkpoint.state import TrainingState
-from sparktorch_ops.checkpoint.warm import warm_start
+from sparktorch_ops.checkpoint.warm_start import warm_start
 from sparktorch_ops.wire.env import CHECKPOINT_DIR_ENV, WARM_START_ENV
 
 __all__ = [

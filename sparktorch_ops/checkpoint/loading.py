@@ -9,9 +9,8 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from sparktorch_ops.checkpoint import reports
-from sparktorch_ops.checkpoint.background import wait
 from sparktorch_ops.checkpoint.group import Group, announce
-from sparktorch_ops.checkpoint.layout import STATE_FILE, Location, location_of, step_dir_name
+from sparktorch_ops.checkpoint.saving import wait
 from sparktorch_ops.checkpoint.state import (
     ModuleState,
     OptimizerState,
@@ -19,7 +18,15 @@ from sparktorch_ops.checkpoint.state import (
     copy_back,
     to_dcp,
 )
-from sparktorch_ops.checkpoint.warm import warm_start
+from sparktorch_ops.checkpoint.storage import (
+    STATE_FILE,
+    Storage,
+    dcp_reader,
+    location_of,
+    newest,
+    step_dir_name,
+)
+from sparktorch_ops.checkpoint.warm_start import warm_start
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.wire.env import WARM_START_ENV
 
@@ -35,7 +42,7 @@ def latest_step(*, directory: str | None = None) -> int | None:
     Raises:
         ConfigError: no directory given and ``SPARKTORCH_CHECKPOINT_DIR`` is unset.
     """
-    return location_of(directory).newest()
+    return newest(location_of(directory))
 
 
 def load_latest(
@@ -80,7 +87,8 @@ def load_latest(
             _load_state_file(location, (name, STATE_FILE), converted)
         else:
             with group.quiet():
-                dcp.load(converted, storage_reader=location.reader(name), no_dist=group.no_dist)
+                reader = dcp_reader(location, name)
+                dcp.load(converted, storage_reader=reader, no_dist=group.no_dist)
         copy_back(state, converted)
         if group.rank == 0:
             announce(f"resumed from step {step} at {location.url(name)}", log)
@@ -95,14 +103,14 @@ def load_latest(
     return None
 
 
-def _newest(location: Location) -> tuple[int | None, bool]:
+def _newest(location: Storage) -> tuple[int | None, bool]:
     """The newest committed step, and whether it is a state file (else DCP's files)."""
-    step = location.newest()
+    step = newest(location)
     return step, step is not None and location.is_file(step_dir_name(step), STATE_FILE)
 
 
 def _load_state_file(
-    location: Location, names: tuple[str, ...], converted: MutableMapping[str, Any]
+    location: Storage, names: tuple[str, ...], converted: MutableMapping[str, Any]
 ) -> None:
     """Load a :data:`STATE_FILE` into ``converted`` as ``dcp.load`` would: modules and
     optimizers through their state-dict API (into sharded ones too), tensors in place, other

@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from sparktorch_ops.checkpoint.group import announce
-from sparktorch_ops.checkpoint.layout import Location
+from sparktorch_ops.checkpoint.storage import Storage
 from sparktorch_ops.rank import reporting
 
 REPORTS_FILE = "reports.json"
@@ -22,13 +22,13 @@ def carried(rank: int) -> list[dict[str, Any]]:
     return reporting.records_for_checkpoint() if rank == 0 else []
 
 
-def write(location: Location, name: str, records: list[dict[str, Any]]) -> None:
+def write(location: Storage, name: str, records: list[dict[str, Any]]) -> None:
     """Rank 0: write ``records`` into step directory ``name`` (nothing when there are none)."""
     if records:
-        location.write_file(json.dumps(records).encode(), name, REPORTS_FILE)
+        location.write(json.dumps(records).encode(), name, REPORTS_FILE)
 
 
-def replay(location: Location, name: str, log: logging.Logger | None) -> None:
+def replay(location: Storage, name: str, log: logging.Logger | None) -> None:
     """Send the reports a checkpoint carries again (rank 0, on resume)."""
     if not location.is_file(name, REPORTS_FILE):
         return

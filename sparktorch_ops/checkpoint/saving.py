@@ -1,27 +1,29 @@
 """Saving: :func:`save`, which form a state is written in (rank 0 alone or every rank with
-DCP), the steps a process knows of a directory, and one save's write, commit and pruning
-(:class:`Write`, in the foreground or in the writer thread of :mod:`.background`)."""
+DCP), the steps a process knows of a directory, one save's write, commit and pruning
+(:class:`Write`), and saves in the background (``blocking=False``) with :func:`wait`.
+
+A background save of DCP's files is DCP's ``async_save`` on a gloo group of its own; its
+commit and pruning run when it completes. A state file (``state.pt``, a small replicated
+state) is one ``torch.save``, which ``async_save`` does not write: that save runs on a
+thread of ``concurrent.futures`` of its own, with the same commit.
+"""
 
 from __future__ import annotations
 
+import copy
 import datetime
 import itertools
 import json
 import logging
 import threading
+import warnings
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sparktorch_ops.checkpoint import reports
-from sparktorch_ops.checkpoint.background import save_in_background, wait
 from sparktorch_ops.checkpoint.group import Group, announce, describe
-from sparktorch_ops.checkpoint.layout import (
-    COMMIT_MARKER,
-    Location,
-    location_of,
-    step_dir_name,
-)
 from sparktorch_ops.checkpoint.state import (
     ModuleState,
     OptimizerState,
@@ -31,7 +33,16 @@ from sparktorch_ops.checkpoint.state import (
     sharded_types,
     to_dcp,
 )
-from sparktorch_ops.errors import ConfigError
+from sparktorch_ops.checkpoint.storage import (
+    COMMIT_MARKER,
+    Storage,
+    dcp_writer,
+    location_of,
+    step_dir_name,
+    steps,
+    write_state,
+)
+from sparktorch_ops.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -118,7 +129,7 @@ def save(
             known.refused.discard(step)  # every rank failed: the step may be saved again
             raise
         return write.url
-    save_in_background(write, converted)
+    _save_in_background(write, converted)
     return write.url
 
 
@@ -178,22 +189,22 @@ class _KnownSteps:
 
 
 _known: dict[str, _KnownSteps] = {}
-_known_lock = threading.Lock()  # rank 0's writer thread prunes while the next save starts
+_known_lock = threading.Lock()  # a background save prunes while the next save starts
 
 
-def _known_steps(location: Location, group: Group) -> _KnownSteps:
+def _known_steps(location: Storage, group: Group) -> _KnownSteps:
     known = _known.get(location.root)
     if known is None:
-        known = _KnownSteps(group.decide(location.steps))
+        known = _KnownSteps(group.decide(lambda: steps(location)))
         _known[location.root] = known
     return known
 
 
 @dataclass
 class Write:
-    """One save's writing and commit, in the foreground or in the writer thread."""
+    """One save's writing and commit, in the foreground or in the background."""
 
-    location: Location
+    location: Storage
     step: int
     keep: int
     group: Group
@@ -207,25 +218,22 @@ class Write:
         # Rank 0's reports up to this step go with it: a resume replays what MLflow may lack.
         self.reports = reports.carried(self.group.rank)
 
-    def __call__(self, state: Mapping[str, Any] | None, process_group: Any = None) -> None:
-        """Write ``state`` (rank 0 all of it when alone, else every rank its part; other
-        ranks' ``state`` is then unused) and commit it; every rank returns once the step is
-        committed, or raises if any rank failed to write its part."""
+    def __call__(self, state: Mapping[str, Any]) -> None:
+        """Write ``state`` (rank 0 all of it when alone, else every rank its part) and commit
+        it; every rank returns once the step is committed, or raises if any rank failed to
+        write its part."""
         import torch.distributed.checkpoint as dcp
 
         if self.alone:
-            self._write_alone(state, process_group)
+            self.write_alone(state, None)
         else:
-            dcp.save(
-                state, storage_writer=self.location.writer(self.name), process_group=process_group
-            )
-        if self.group.rank == 0:
-            self._commit()
-        self.group.barrier(process_group)
+            dcp.save(state, storage_writer=dcp_writer(self.location, self.name))
+        self.commit(None)
 
-    def _write_alone(self, state: Mapping[str, Any] | None, process_group: Any) -> None:
-        """Rank 0 writes; then every rank learns whether it did (which is also every rank's
-        sign that it reached this save: a rank gone before it leaves the step uncommitted)."""
+    def write_alone(self, state: Mapping[str, Any] | None, process_group: Any) -> None:
+        """Rank 0 writes (other ranks' ``state`` is unused); then every rank learns whether it
+        did (which is also every rank's sign that it reached this save: a rank gone before it
+        leaves the step uncommitted)."""
         import torch.distributed.checkpoint as dcp
 
         failure: Exception | None = None
@@ -233,14 +241,16 @@ class Write:
             try:
                 if self.compact:
                     assert state is not None
-                    self.location.write_state(plain_state_dict(state), self.name)
+                    write_state(self.location, plain_state_dict(state), self.name)
                 else:
-                    dcp.save(state, storage_writer=self.location.writer(self.name), no_dist=True)
+                    writer = dcp_writer(self.location, self.name)
+                    dcp.save(state, storage_writer=writer, no_dist=True)
             except Exception as exc:
                 failure = exc
         if self.group.world > 1:
             import torch.distributed as dist
 
+            self._check_group()
             outcomes: list[Any] = [None] * self.group.world
             described = None if failure is None else describe(failure)
             dist.all_gather_object(outcomes, described, group=process_group)
@@ -248,6 +258,24 @@ class Write:
                 raise RuntimeError(f"rank 0 could not write it: {outcomes[0]}")
         if failure is not None:
             raise failure
+
+    def commit(self, process_group: Any) -> None:
+        """Rank 0 commits the written step; every rank returns once it is committed."""
+        self._check_group()
+        if self.group.rank == 0:
+            self._commit()
+        self.group.barrier(process_group)
+
+    def _check_group(self) -> None:
+        """A save in flight cannot commit once its process group was destroyed: DCP would have
+        gone on as a single process, so the step is left uncommitted."""
+        import torch.distributed as dist
+
+        if self.group.initialized and not dist.is_initialized():
+            raise RuntimeError(
+                "the process group was destroyed while the save was in flight: call "
+                "sparktorch_ops.checkpoint.wait() before torch.distributed.destroy_process_group()"
+            )
 
     def _commit(self) -> None:
         """Rank 0: the reports, the marker, then pruning."""
@@ -259,7 +287,7 @@ class Write:
             "time": datetime.datetime.now(datetime.UTC).isoformat(),
             "torch": _torch_version(),
         }
-        location.write_file(json.dumps(marker).encode(), self.name, COMMIT_MARKER)
+        location.write(json.dumps(marker).encode(), self.name, COMMIT_MARKER)
         with _known_lock:
             present = self.known.present
             present[self.step] = True
@@ -287,3 +315,104 @@ def _torch_version() -> str:
     import torch
 
     return str(torch.__version__)
+
+
+# -- in the background ----------------------------------------------------------------------------
+_in_flight: list[Future[str]] = []  # this rank's one save in flight, committed or failed
+_in_flight_lock = threading.Lock()
+# (the default process group, the group of background saves created from it)
+_background_groups: list[tuple[Any, Any]] = []
+
+
+def wait() -> str | None:
+    """Wait for this rank's save in flight (``save(..., blocking=False)``) to commit.
+
+    Called by the next save, :func:`load_latest` and when the training function returns;
+    call it where the checkpoint must exist, e.g. before reading it, and before
+    ``torch.distributed.destroy_process_group()``. Only this rank waits (no collective).
+
+    Returns:
+        The step directory of the save waited for, None when none was in flight.
+
+    Raises:
+        CheckpointError: the background save failed (its error is the ``__cause__``).
+    """
+    with _in_flight_lock:
+        pending = _in_flight.pop() if _in_flight else None
+    return None if pending is None else pending.result()
+
+
+def _save_in_background(write: Write, converted: Mapping[str, Any]) -> None:
+    """Copy the state now; write it, then commit it, when its write completes."""
+    group = write.group
+    process_group = _background_group(group)
+    if group.no_dist:
+        # See Group.quiet; from a thread, catch_warnings races.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+    written: Future[Any]
+    if write.compact:
+        staged = _copied(plain_state_dict(converted)) if group.rank == 0 else None
+        executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-state-file")
+        written = executor.submit(write.write_alone, staged, process_group)
+        executor.shutdown(wait=False)  # its thread ends after this one write
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        response = dcp.async_save(
+            dict(converted),
+            storage_writer=dcp_writer(write.location, write.name),
+            process_group=process_group,
+            no_dist=group.no_dist,
+        )
+        assert isinstance(response, Future)  # staged at once: the default stager is not async
+        written = response
+    committed: Future[str] = Future()
+
+    def commit(done: Future[Any]) -> None:
+        try:
+            done.result()
+            write.commit(process_group)
+        except BaseException as exc:
+            error = CheckpointError(group.rank, write.step, write.url, describe(exc))
+            error.__cause__ = exc
+            announce(
+                f"{error}; the run fails at the next save, wait() or its end",
+                None,
+                logging.WARNING,
+            )
+            committed.set_exception(error)
+        else:
+            committed.set_result(write.url)
+
+    with _in_flight_lock:
+        _in_flight.append(committed)
+    written.add_done_callback(commit)
+
+
+def _copied(state: Any) -> Any:
+    """A copy of a replicated ``state`` in CPU memory that training cannot change: a plain copy
+    of each tensor (a tenth of the time of DCP's stager for a small state)."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, Mapping):
+        return {key: _copied(value) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_copied(value) for value in state)
+    return copy.deepcopy(state)
+
+
+def _background_group(group: Group) -> Any:
+    """The gloo group background saves use, made once per default process group."""
+    if group.no_dist:
+        return None
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    for known, made in _background_groups:
+        if known is world:
+            return made
+    made = dist.new_group(backend="gloo")  # a collective: every rank saves at the same point
+    _background_groups[:] = [(world, made)]
+    return made

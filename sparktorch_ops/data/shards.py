@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from sparktorch_ops.checkpoint.storage import replace_file
 from sparktorch_ops.errors import ConfigError, SparkTorchError
 from sparktorch_ops.wire.env import (
     DATA_DIR_ENV,
@@ -165,12 +166,9 @@ def epoch_rows_path(directory: str) -> str:
 
 def write_epoch_rows(directory: str, rows: int) -> str:
     """Hand the ranks of a node the rows per epoch, once every task wrote its shards: the
-    file appears whole (written beside, then renamed) so a rank never reads half of it."""
+    file appears whole so a rank never reads half of it."""
     path = epoch_rows_path(directory)
-    partial = f"{path}.partial"
-    with open(partial, "w", encoding="utf-8") as fp:
-        fp.write(str(int(rows)))
-    os.replace(partial, path)
+    replace_file(path, str(int(rows)).encode())
     return path
 
 

@@ -15,9 +15,9 @@ and asks for a cancel by writing into it. A local path or an fsspec URL (``s3://
     <run>/value.pkl, error.pkl      rank 0's value, or the exception, pickled
     <run>/cancel                    a cancel request (its reason)
 
-Whole files are replaced atomically (a temporary file renamed; an object store writes an
-object whole), and streams grow by new chunks only (object stores cannot append): a reader
-never sees half a record.
+Whole files are replaced atomically (:meth:`~sparktorch_ops.checkpoint.storage.Storage.write`),
+and streams grow by new chunks only (object stores cannot append): a reader never sees half a
+record.
 """
 
 from __future__ import annotations
@@ -27,12 +27,11 @@ import getpass
 import json
 import os
 import re
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from sparktorch_ops.checkpoint.storage import Storage
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.events import RunState
 
@@ -65,7 +64,12 @@ class RunDirectoryError(ConfigError):
 
 
 class RunDirectory:
-    """One run's directory, local or behind fsspec."""
+    """One run's directory, on this machine's file system or behind fsspec.
+
+    Attributes:
+        location: the directory: an absolute path on this machine, else the URL as given.
+        is_url: whether it is elsewhere than this machine's file system.
+    """
 
     def __init__(self, location: str | os.PathLike[str]) -> None:
         text = os.fspath(location).strip()
@@ -73,61 +77,9 @@ class RunDirectory:
             raise RunDirectoryError(
                 repr(text), "is empty: give the run's directory (a path or a URL)"
             )
-        self.location = text
-        self.is_url = "://" in text
-        self._fs: Any = None
-        self._root = text
-        if self.is_url:
-            import fsspec
-
-            self._fs, self._root = fsspec.core.url_to_fs(text)
-        else:
-            self._root = os.path.abspath(text)
-            self.location = self._root
-
-    # -- paths ------------------------------------------------------------------------------
-    def _path(self, *names: str) -> str:
-        if self.is_url:
-            return "/".join([self._root.rstrip("/"), *names])
-        return os.path.join(self._root, *names)
-
-    def _exists(self, *names: str) -> bool:
-        path = self._path(*names)
-        return bool(self._fs.exists(path)) if self.is_url else os.path.exists(path)
-
-    def _read(self, *names: str) -> bytes:
-        path = self._path(*names)
-        if self.is_url:
-            return bytes(self._fs.cat_file(path))
-        with open(path, "rb") as handle:
-            return handle.read()
-
-    def _write(self, data: bytes, *names: str) -> None:
-        """Write a whole file atomically."""
-        path = self._path(*names)
-        if self.is_url:
-            self._fs.pipe_file(path, data)
-            return
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        fd, staging = tempfile.mkstemp(dir=folder, prefix=".writing-")
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-            os.replace(staging, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(staging)
-            raise
-
-    def _list(self, *names: str) -> list[str]:
-        path = self._path(*names)
-        try:
-            if self.is_url:
-                return [entry.rsplit("/", 1)[-1] for entry in self._fs.ls(path, detail=False)]
-            return os.listdir(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+        self.storage = Storage(text)
+        self.is_url = not self.storage.local
+        self.location = text if self.is_url else self.storage.path()
 
     # -- identity ---------------------------------------------------------------------------
     def create(self, identity: dict[str, Any], job: bytes) -> None:
@@ -136,7 +88,7 @@ class RunDirectory:
         Raises:
             RunDirectoryError: it already holds another training's run.
         """
-        if self._exists("run.json"):
+        if self.storage.exists("run.json"):
             existing = self.identity()
             if existing.get("training_id") != identity.get("training_id"):
                 raise RunDirectoryError(
@@ -145,8 +97,8 @@ class RunDirectory:
                     f"{identity.get('training_id')}: give each training a directory of its own",
                 )
         elif not self.is_url:
-            os.makedirs(self._root, exist_ok=True)
-            if os.listdir(self._root):
+            os.makedirs(self.location, exist_ok=True)
+            if os.listdir(self.location):
                 raise RunDirectoryError(
                     self.location, "is not empty and holds no run: give an empty or new directory"
                 )
@@ -156,20 +108,18 @@ class RunDirectory:
             "created": time.time(),
             **identity,
         }
-        self._write(job, "job.pkl")
-        self._write(json.dumps(record).encode(), "run.json")
+        self.storage.write(job, "job.pkl")
+        self.storage.write(json.dumps(record).encode(), "run.json")
 
     def child(self, name: str) -> str:
         """The path or URL of ``name`` inside the directory, for other writers (Spark)."""
-        return f"{self.location.rstrip('/')}/{name}" if self.is_url else self._path(name)
+        return f"{self.location.rstrip('/')}/{name}"
 
     def remove(self) -> None:
-        """Delete the directory and everything in it (a run that never started)."""
-        if self.is_url:
-            with contextlib.suppress(FileNotFoundError):
-                self._fs.rm(self._root, recursive=True)
-        else:
-            shutil.rmtree(self._root, ignore_errors=True)
+        """Delete the directory and everything in it (a run that never started), as far as
+        it can: it runs while another error is raised."""
+        with contextlib.suppress(OSError):
+            self.storage.remove_tree()
 
     def identity(self) -> dict[str, Any]:
         """``run.json``, checked.
@@ -178,12 +128,12 @@ class RunDirectory:
             RunDirectoryError: missing, not a run directory, corrupt, of a newer format, or
                 not readable by this user.
         """
-        if not self.is_url and not os.path.isdir(self._root):
+        if not self.is_url and not os.path.isdir(self.location):
             raise RunDirectoryError(
                 self.location, "does not exist (a run's directory, as submit printed it)"
             )
         if not self.is_url:
-            owner = os.stat(self._root).st_uid
+            owner = os.stat(self.location).st_uid
             if owner != os.getuid():
                 raise RunDirectoryError(
                     self.location,
@@ -191,7 +141,7 @@ class RunDirectory:
                     "run is theirs to watch and cancel",
                 )
         try:
-            data = self._read("run.json")
+            data = self.storage.read("run.json")
         except FileNotFoundError:
             raise RunDirectoryError(
                 self.location,
@@ -216,19 +166,19 @@ class RunDirectory:
 
     def check_writable(self) -> None:
         """Raise RunDirectoryError where this user cannot write (a cancel request, say)."""
-        if not self.is_url and not os.access(self._root, os.W_OK):
+        if not self.is_url and not os.access(self.location, os.W_OK):
             raise RunDirectoryError(
                 self.location, f"is not writable by {getpass.getuser()}: it is another user's run"
             )
 
     def job(self) -> bytes:
         """The pickled job."""
-        return self._read("job.pkl")
+        return self.storage.read("job.pkl")
 
     # -- state ------------------------------------------------------------------------------
     def write_status(self, status: dict[str, Any]) -> None:
         """Replace ``status.json``."""
-        self._write(json.dumps(status).encode(), "status.json")
+        self.storage.write(json.dumps(status).encode(), "status.json")
 
     def status(self) -> dict[str, Any]:
         """``status.json`` (``{"state": "submitted"}`` before the driver wrote one).
@@ -237,7 +187,7 @@ class RunDirectory:
             RunDirectoryError: corrupt.
         """
         try:
-            record = json.loads(self._read("status.json"))
+            record = json.loads(self.storage.read("status.json"))
         except FileNotFoundError:
             return {"state": "submitted"}
         except ValueError:
@@ -250,11 +200,11 @@ class RunDirectory:
     def append(self, stream: str, records: list[dict[str, Any]], sequence: int) -> None:
         """Write ``records`` as chunk ``sequence`` of ``stream`` (a new file, never changed)."""
         data = "".join(json.dumps(record) + "\n" for record in records).encode()
-        self._write(data, stream, f"{sequence:08d}.jsonl")
+        self.storage.write(data, stream, f"{sequence:08d}.jsonl")
 
     def chunks(self, stream: str) -> list[int]:
         """The chunk numbers of ``stream`` written so far, in order."""
-        found = (_CHUNK.match(name) for name in self._list(stream))
+        found = (_CHUNK.match(name) for name in self.storage.names(stream))
         return sorted(int(match.group(1)) for match in found if match)
 
     def read(self, stream: str, after: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -262,7 +212,7 @@ class RunDirectory:
         for chunk in self.chunks(stream):
             if chunk <= after:
                 continue
-            for line in self._read(stream, f"{chunk:08d}.jsonl").decode().splitlines():
+            for line in self.storage.read(stream, f"{chunk:08d}.jsonl").decode().splitlines():
                 if line.strip():
                     yield chunk, json.loads(line)
 
@@ -273,15 +223,15 @@ class RunDirectory:
         """How the run ended: the value or the error first, then ``result.json`` (a reader
         that finds it finds them)."""
         if value is not None:
-            self._write(value, "value.pkl")
+            self.storage.write(value, "value.pkl")
         if error is not None:
-            self._write(error, "error.pkl")
-        self._write(json.dumps(summary).encode(), "result.json")
+            self.storage.write(error, "error.pkl")
+        self.storage.write(json.dumps(summary).encode(), "result.json")
 
     def end(self) -> dict[str, Any] | None:
         """``result.json``, None while the run goes on."""
         try:
-            return dict(json.loads(self._read("result.json")))
+            return dict(json.loads(self.storage.read("result.json")))
         except FileNotFoundError:
             return None
         except ValueError:
@@ -289,12 +239,12 @@ class RunDirectory:
 
     def value(self) -> bytes:
         """Rank 0's pickled value."""
-        return self._read("value.pkl")
+        return self.storage.read("value.pkl")
 
     def error(self) -> bytes | None:
         """The pickled exception the run ended with, if any."""
         try:
-            return self._read("error.pkl")
+            return self.storage.read("error.pkl")
         except FileNotFoundError:
             return None
 
@@ -302,12 +252,12 @@ class RunDirectory:
     def request_cancel(self, reason: str) -> None:
         """Ask the run's driver to stop (it looks every second)."""
         self.check_writable()
-        self._write(reason.encode(), "cancel")
+        self.storage.write(reason.encode(), "cancel")
 
     def cancel_requested(self) -> str | None:
         """The reason of a cancel request, if one was made."""
         try:
-            return self._read("cancel").decode(errors="replace") or "cancelled"
+            return self.storage.read("cancel").decode(errors="replace") or "cancelled"
         except FileNotFoundError:
             return None
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from sparktorch_ops.checkpoint.storage import replace_file
+
 RESUMABLE = "resumable"
 SUCCEEDED = "succeeded"
 CLEARED = "cleared"
@@ -304,7 +306,4 @@ class RecordFile:
 
     def set(self, value: Any) -> None:
         """Store ``value`` (JSON)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        staged = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}.tmp")
-        staged.write_text(json.dumps(value))
-        os.replace(staged, self.path)
+        replace_file(str(self.path), json.dumps(value).encode())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
+import io
 import os
 import shutil
 import tempfile
@@ -21,6 +22,7 @@ import zipfile
 from collections.abc import Iterator
 from typing import Any
 
+from sparktorch_ops.checkpoint.storage import replace_file
 from sparktorch_ops.wire import VERSION
 
 # A zip entry's time is part of its bytes: one fixed time keeps a zip a function of its files.
@@ -59,15 +61,15 @@ def build_zip(directory: str, destination: str) -> str:
     ``sparktorch_ops-<version>-<digest>.zip``."""
     digest = package_digest(directory)[:16]
     path = os.path.join(destination, f"sparktorch_ops-{VERSION}-{digest}.zip")
-    staging = path + ".partial"
-    with zipfile.ZipFile(staging, "w", zipfile.ZIP_DEFLATED) as archive:
+    built = io.BytesIO()
+    with zipfile.ZipFile(built, "w", zipfile.ZIP_DEFLATED) as archive:
         for file, name in _package_files(directory):
             entry = zipfile.ZipInfo(name, _ENTRY_TIME)
             entry.compress_type = zipfile.ZIP_DEFLATED
             entry.external_attr = 0o644 << 16
             with open(file, "rb") as source:
                 archive.writestr(entry, source.read())
-    os.replace(staging, path)
+    replace_file(path, built.getbuffer())
     return path
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import time
 from pathlib import Path
 
@@ -212,3 +213,42 @@ def test_a_run_directory_behind_fsspec_serves_a_handle_through_a_whole_run() -> 
     failed.write_end({"state": "timed_out", "error": "timeout=5 ran out"})
     with pytest.raises(SparkTorchError, match="timed_out: timeout=5 ran out"):
         RunHandle(f"{url}-failed").result()
+
+
+WRITTEN_BEFORE = Path(__file__).parents[1] / "fixtures" / "run_directory_written_before_storage"
+
+
+def test_a_run_directory_written_before_the_storage_helper_reads(tmp_path: Path) -> None:
+    """The on-disk format did not change: a run directory the earlier code wrote
+    (tests/fixtures/run_directory_written_before_storage/README.md) reads the same, and the
+    next write lands beside what it holds."""
+    shutil.copytree(WRITTEN_BEFORE / "run", tmp_path / "run")
+    directory = RunDirectory(tmp_path / "run")
+    identity = directory.identity()
+    assert (identity["format"], identity["training_id"], identity["mode"]) == (
+        1,
+        "training-fixture",
+        "local",
+    )
+    assert pickle.loads(directory.job()) == {"job": "fixture"}
+    assert directory.status() == {
+        "state": "succeeded",
+        "heartbeat": 1700000001.0,
+        "pid": 4242,
+        "host": "fixture-host",
+        "progress": 1.0,
+    }
+    assert directory.chunks("logs") == [1, 2]
+    assert [record for _, record in directory.read("events")] == [
+        {"event": "launched", "time": 1700000000.0}
+    ]
+    assert [record["values"] for _, record in directory.read("metrics")] == [{"loss": 1.0}]
+    handle = RunHandle(tmp_path / "run")
+    assert handle.training_id == "training-fixture" and handle.status().state == "succeeded"
+    assert list(handle.logs()) == ["[rank 0|fixture-host] epoch 0", "[rank 0|fixture-host] epoch 1"]
+    assert directory.end() == {"state": "succeeded", "error": None}
+    assert pickle.loads(directory.value()) == {"answer": 42}
+    assert directory.error() is None
+    assert directory.cancel_requested() == "fixture cancel"
+    directory.append("logs", [{"line": "later"}], 3)
+    assert [record["line"] for _, record in directory.read("logs", after=2)] == ["later"]

@@ -8,8 +8,15 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from sparktorch_ops.checkpoint.group import Group, announce
-from sparktorch_ops.checkpoint.layout import DCP_METADATA, STATE_FILE, Location, step_dir_name
 from sparktorch_ops.checkpoint.state import TrainingState, state_modules, to_dcp
+from sparktorch_ops.checkpoint.storage import (
+    DCP_METADATA,
+    STATE_FILE,
+    Storage,
+    dcp_reader,
+    step_dir_name,
+    steps,
+)
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.wire.env import WARM_START_ENV
 
@@ -46,7 +53,7 @@ def warm_start(
     if not modules:
         raise ConfigError("state", "has no torch.nn.Module to warm-start")
     group = Group()
-    location = Location(source)
+    location = Storage(source)
 
     def resolve() -> tuple[tuple[str, ...], tuple[str, ...] | None]:
         """The checkpoint's names under the source, and those of its state file (None: DCP)."""
@@ -57,8 +64,7 @@ def warm_start(
         if location.is_file(DCP_METADATA):
             return (), None
         if location.is_dir():
-            steps = location.steps()
-            committed = [s for s, done in steps.items() if done]
+            committed = [s for s, done in steps(location).items() if done]
             if committed:
                 name = step_dir_name(max(committed))
                 return (name,), (name, STATE_FILE) if location.is_file(name, STATE_FILE) else None
@@ -81,7 +87,7 @@ def warm_start(
 
 
 def _warm_from_dcp(
-    location: Location,
+    location: Storage,
     names: tuple[str, ...],
     modules: Mapping[str, torch.nn.Module],
     group: Group,
@@ -95,7 +101,7 @@ def _warm_from_dcp(
         set_model_state_dict,
     )
 
-    saved = location.reader(*names).read_metadata().state_dict_metadata
+    saved = dcp_reader(location, *names).read_metadata().state_dict_metadata
     wanted: dict[str, dict[str, Any]] = {}
     loaded = total = 0
     for key, module in modules.items():
@@ -114,14 +120,14 @@ def _warm_from_dcp(
     wanted = {key: weights for key, weights in wanted.items() if weights}
     if wanted:
         with group.quiet():
-            dcp.load(wanted, storage_reader=location.reader(*names), no_dist=group.no_dist)
+            dcp.load(wanted, storage_reader=dcp_reader(location, *names), no_dist=group.no_dist)
         for key, weights in wanted.items():
             set_model_state_dict(modules[key], weights, options=StateDictOptions(strict=False))
     return loaded, total
 
 
 def _warm_from_file(
-    location: Location, names: tuple[str, ...], modules: Mapping[str, torch.nn.Module]
+    location: Storage, names: tuple[str, ...], modules: Mapping[str, torch.nn.Module]
 ) -> tuple[int, int]:
     import torch
     from torch.distributed.checkpoint.state_dict import (
