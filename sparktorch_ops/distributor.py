@@ -12,7 +12,7 @@ from typing import Any
 
 from sparktorch_ops import events, options
 from sparktorch_ops.detached.handle import RunHandle
-from sparktorch_ops.driver.facts import gather_facts
+from sparktorch_ops.driver.launch import gather_facts
 from sparktorch_ops.driver.packing import describe
 from sparktorch_ops.driver.planning import plan_run
 from sparktorch_ops.driver.run import Run, new_run_id
@@ -138,10 +138,15 @@ class TorchDistributor:
         self, train_object: Callable[..., Any] | str | os.PathLike[str], *args: Any, **kwargs: Any
     ) -> RunResult:
         """Like :meth:`run`, but return the whole :class:`RunResult`."""
+        return self._launch(train_object, args, kwargs)
+
+    def _launch(
+        self, train: Any, args: tuple[Any, ...], kwargs: dict[str, Any], data: Any = None
+    ) -> RunResult:
         token = CancelToken()
         self._tokens.append(token)  # from here on, cancel() reaches this run (packing too)
         try:
-            return launch_job(self._job(token, train_object, args, kwargs))
+            return launch_job(self._job(token, train, args, kwargs, data))
         finally:
             self._tokens.remove(token)
 
@@ -171,13 +176,7 @@ class TorchDistributor:
         """Like :meth:`train_on_dataframe`, but return the whole :class:`RunResult` (its
         ``input`` holds the rows and columns trained on)."""
         check_dataframe(dataframe)
-        token = CancelToken()
-        self._tokens.append(token)
-        try:
-            data = DataInput(dataframe=dataframe)
-            return launch_job(self._job(token, train_function, args, kwargs, data))
-        finally:
-            self._tokens.remove(token)
+        return self._launch(train_function, args, kwargs, DataInput(dataframe=dataframe))
 
     def submit(
         self, train_object: Callable[..., Any] | str | os.PathLike[str], *args: Any, **kwargs: Any

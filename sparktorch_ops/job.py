@@ -110,24 +110,6 @@ class TrainingJob:
         return self.options.mode
 
 
-def coerce_int(argument: str, value: object) -> object:
-    """A rendered template's integer (``"2"``, ``" 2 "``, ``2.0``) as an int.
-
-    A string that is not an integer is a ConfigError here; other types are left for the
-    job's own validation to reject by name.
-    """
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            raise ConfigError(
-                argument, f"must be an integer after templating, got {value!r}"
-            ) from None
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
 def build_job(
     *,
     train: Callable[..., Any] | str,
@@ -161,20 +143,14 @@ def build_job(
     """
     if isinstance(train, str):
         train = train.strip()
-    for option in launch_options.on("job"):  # a template that renders to nothing means "unset"
-        value = options.get(option.name)
+    for option in launch_options.on("job"):
+        if option.name not in options:
+            continue
+        value = options[option.name]
         if option.templated and isinstance(value, str) and not value.strip():
-            options[option.name] = None
-    for name in (
-        "num_processes",
-        "min_processes",
-        "max_restarts",
-        "max_failures",
-        "max_result_bytes",
-        "max_local_processes",
-    ):
-        if name in options:
-            options[name] = coerce_int(name, options[name])
+            options[option.name] = None  # a template that renders to nothing means "unset"
+        elif option.flag is not None and option.flag.kwargs.get("type") is int:
+            options[option.name] = _as_int(option.name, value)
     env = options.get("env")
     if isinstance(env, Mapping):  # rendered numbers become strings; None stays an error
         options["env"] = {
@@ -197,3 +173,18 @@ def build_job(
 
 
 _OPTIONS = ", ".join(f.name for f in fields(LaunchSpec))
+
+
+def _as_int(argument: str, value: object) -> object:
+    """A rendered template's integer (``"2"``, ``" 2 "``, ``2.0``) as an int; other types are
+    left for the job's own validation to reject by name."""
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise ConfigError(
+                argument, f"must be an integer after templating, got {value!r}"
+            ) from None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value

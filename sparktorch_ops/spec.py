@@ -18,43 +18,17 @@ from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
 from sparktorch_ops.wire.env import TORCHRUN_RANK_VARIABLES
 
-# Rank 0's pickled return value may be this large by default (max_result_bytes=).
 # Local mode starts at most this many ranks per CPU of the driver by default
 # (max_local_processes=): more is a typo or a runaway loop, not a plan.
 LOCAL_PROCESSES_PER_CPU = 4
 
-# torchrun options that the distributor owns: the layout, the rendezvous and the entry point.
-OWNED_TORCHRUN_OPTIONS = (
-    "--nnodes",
-    "--nproc-per-node",
-    "--nproc_per_node",
-    "--node-rank",
-    "--node_rank",
-    "--rdzv-backend",
-    "--rdzv_backend",
-    "--rdzv-endpoint",
-    "--rdzv_endpoint",
-    "--rdzv-id",
-    "--rdzv_id",
-    "--rdzv-conf",
-    "--rdzv_conf",
-    "--standalone",
-    "--master-addr",
-    "--master_addr",
-    "--master-port",
-    "--master_port",
-    "--max-restarts",
-    "--max_restarts",
-    "--local-addr",
-    "--local_addr",
-    "--no-python",
-    "--no_python",
-    "--run-path",
-    "--run_path",
-    "--module",
-    "-m",
+# torchrun options (by their parser's dest) that the distributor owns: the layout, the
+# rendezvous and the entry point.
+_OWNED_TORCHRUN_DESTS = frozenset(
+    {"nnodes", "nproc_per_node", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id"}
+    | {"rdzv_conf", "standalone", "master_addr", "master_port", "max_restarts", "local_addr"}
+    | {"no_python", "run_path", "module"}
 )
-
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -154,11 +128,7 @@ def _check_torchrun_args(args: Iterable[str] | None) -> tuple[str, ...]:
     parser = get_args_parser()
     parser.error = _torchrun_parser_error  # type: ignore[method-assign]
     unset = _Unset()
-    owned = {
-        action.dest: action.option_strings
-        for action in parser._actions
-        if set(action.option_strings) & set(OWNED_TORCHRUN_OPTIONS)
-    }
+    owned = {a.dest: a.option_strings for a in parser._actions if a.dest in _OWNED_TORCHRUN_DESTS}
     parser.set_defaults(**dict.fromkeys(owned, unset))
     try:
         parsed = parser.parse_args([*checked, _SCRIPT_SLOT])
@@ -312,9 +282,12 @@ class LaunchSpec:
     training: TrainingTry | None = None
 
     def __post_init__(self) -> None:
+        def coerce(name: str, check: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+            object.__setattr__(self, name, check(name, getattr(self, name), *args, **kwargs))
+
         _require_int("num_processes", self.num_processes, 1)
-        _require_bool("local_mode", self.local_mode)
-        _require_bool("use_gpu", self.use_gpu)
+        for name in ("local_mode", "use_gpu", "allow_unencrypted_channel", "detached"):
+            _require_bool(name, getattr(self, name))
         _require_int("max_restarts", self.max_restarts, 0)
         _require_int("max_failures", self.max_failures, 0)
         if self.min_processes is not None:
@@ -325,7 +298,6 @@ class LaunchSpec:
                     f"{self.min_processes} is more than num_processes={self.num_processes}: "
                     "an attempt never runs with more ranks than num_processes",
                 )
-        _require_bool("allow_unencrypted_channel", self.allow_unencrypted_channel)
         _require_int("max_result_bytes", self.max_result_bytes, 1)
         if self.max_local_processes is not None:
             _require_int("max_local_processes", self.max_local_processes, 1)
@@ -333,31 +305,23 @@ class LaunchSpec:
             _check_local_processes(self.num_processes, self.max_local_processes)
         object.__setattr__(self, "env", _check_env(self.env))
         object.__setattr__(self, "torchrun_args", _check_torchrun_args(self.torchrun_args))
-        object.__setattr__(self, "start_timeout", to_seconds("start_timeout", self.start_timeout))
-        object.__setattr__(self, "timeout", to_seconds("timeout", self.timeout))
-        object.__setattr__(self, "stall_timeout", to_seconds("stall_timeout", self.stall_timeout))
+        for name in ("start_timeout", "timeout", "stall_timeout"):
+            coerce(name, to_seconds)
         object.__setattr__(self, "log_ranks", _check_log_ranks(self.log_ranks))
-        object.__setattr__(
-            self, "checkpoint_dir", check_location("checkpoint_dir", self.checkpoint_dir)
-        )
+        coerce("checkpoint_dir", check_location)
         for name in ("mlflow_experiment", "mlflow_tracking_uri"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(name, f"must be a non-empty string or None, got {value!r}")
         _require_bool("mlflow_all_ranks", self.mlflow_all_ranks)
-        object.__setattr__(self, "channel_host", _check_host("channel_host", self.channel_host))
-        _require_bool("detached", self.detached)
-        object.__setattr__(self, "run_dir", check_location("run_dir", self.run_dir))
+        coerce("channel_host", _check_host)
+        coerce("run_dir", check_location)
         if not isinstance(self.mlflow_tags, Mapping):
             raise ConfigError("mlflow_tags", f"must be a mapping, got {self.mlflow_tags!r}")
         object.__setattr__(
             self, "mlflow_tags", {str(k): str(v) for k, v in self.mlflow_tags.items()}
         )
-        object.__setattr__(
-            self,
-            "warm_start_from",
-            check_location("warm_start_from", self.warm_start_from, must_exist=True),
-        )
+        coerce("warm_start_from", check_location, must_exist=True)
         if self.training is not None and not isinstance(self.training, TrainingTry):
             raise ConfigError("training", f"must be a TrainingTry, got {self.training!r}")
         for name in ("on_metrics", "on_event"):

@@ -1,28 +1,30 @@
 """The second part of a run: the channel, the plan, and the launcher that starts the ranks.
 
 :func:`launch` opens the channel (TLS when Spark encrypts its own traffic), gathers the facts
-and plans once (:func:`~sparktorch_ops.driver.facts.gather_facts`, as the dry run does), picks
-the launcher for the mode and starts it. It yields a :class:`Launched` for supervision; leaving
-it tears the ranks down if the run raised, then closes the channel and finishes the launcher.
+and plans once (:func:`gather_facts`, as the dry run does), says what the ranks do with the
+checkpoints, picks the launcher for the mode and starts it. It yields a :class:`Launched` for
+supervision; leaving it tears the ranks down if the run raised, then closes the channel and
+finishes the launcher.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import secrets
 import socket
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sparktorch_ops import events
-from sparktorch_ops.driver import resume
+from sparktorch_ops import checkpoint, events
 from sparktorch_ops.driver.certificate import make_certificate
 from sparktorch_ops.driver.collector import RunCollector
-from sparktorch_ops.driver.facts import gather_facts
+from sparktorch_ops.driver.durable import try_line
 from sparktorch_ops.driver.packing import describe
-from sparktorch_ops.driver.planning import plan_run
+from sparktorch_ops.driver.planning import RunFacts, plan_run
 from sparktorch_ops.driver.prepare import Prepared
 from sparktorch_ops.events import RunState, RunStateMachine
 from sparktorch_ops.launchers.barrier import BarrierLauncher
@@ -31,10 +33,11 @@ from sparktorch_ops.launchers.connect import ARRIVAL_WAIT_S, ConnectBarrierLaunc
 from sparktorch_ops.launchers.local import LocalLauncher
 from sparktorch_ops.results import MetricRecord
 from sparktorch_ops.spark import session as spark_support
+from sparktorch_ops.spark.session import task_resources
 from sparktorch_ops.spec import LaunchSpec
 from sparktorch_ops.wire.channel import ChannelServer
 from sparktorch_ops.wire.payload import FunctionCall, Payload
-from sparktorch_ops.wire.plan import RunPlan
+from sparktorch_ops.wire.plan import UNKNOWN, RunPlan
 from sparktorch_ops.wire.tls import ChannelCertificate
 
 _COLLATERAL_S = 3.0  # how long a teardown waits for the other ranks to hang up
@@ -49,6 +52,86 @@ class Launched:
     collector: RunCollector
     server: ChannelServer
     resumed_from: int | None  # the checkpoint step the ranks resume from
+
+
+def gather_facts(
+    spec: LaunchSpec,
+    run_id: str,
+    *,
+    conf_value: Callable[[str], str | None] | None = None,
+    channel_address: str = UNKNOWN,
+    channel_fingerprint: str | None = None,
+    driver_host: str = UNKNOWN,
+    local_gpus: tuple[str, ...] | None = None,
+) -> RunFacts:
+    """The facts a run of ``spec`` is planned from, gathered here for the run and its dry run
+    alike; what a dry run cannot know stays a placeholder of :mod:`sparktorch_ops.wire.plan`.
+
+    Args:
+        spec: the run's options.
+        run_id: the run's id.
+        conf_value: a Spark conf lookup (the session's, or the settings it would start with);
+            None: Spark's defaults.
+        channel_address, channel_fingerprint: the driver's channel (a run's; a dry run has none).
+        driver_host: this machine's host name (local mode's rank prefixes).
+        local_gpus: the driver GPUs a local-mode run took.
+
+    Raises:
+        ConfigError: a Spark task setting that is not a number.
+    """
+    task_cpus, gpu_amount = task_resources(conf_value) if conf_value is not None else (1, None)
+    return RunFacts(
+        run_id=run_id,
+        python=sys.executable,
+        channel_address=channel_address,
+        channel_fingerprint=channel_fingerprint,
+        driver_host=driver_host,
+        cpu_count=os.cpu_count(),
+        local_gpus=local_gpus if spec.local_mode else None,
+        task_cpus=task_cpus,
+        task_gpu_amount=gpu_amount,
+    )
+
+
+def latest_checkpoint(spec: LaunchSpec, log: logging.Logger) -> int | None:
+    """The step of the run's latest complete checkpoint as the driver sees it (None without
+    ``checkpoint_dir``, or when the driver cannot look: a directory only executors reach)."""
+    if spec.checkpoint_dir is None:
+        return None
+    try:
+        return checkpoint.latest_step(directory=spec.checkpoint_dir)
+    except Exception as exc:
+        log.warning(
+            "sparktorch_ops: cannot list checkpoints in %s from the driver: %s",
+            spec.checkpoint_dir,
+            exc,
+        )
+        return None
+
+
+def _announce_checkpoint(
+    spec: LaunchSpec, log: logging.Logger, mlflow_run_id: str | None
+) -> int | None:
+    """Say whether the ranks will resume, warm start or start fresh, and what this try of a
+    durable training does (``mlflow_run_id``: its MLflow run); the step resumed."""
+    directory, warm = spec.checkpoint_dir, spec.warm_start_from
+    step = latest_checkpoint(spec, log)
+    if spec.training is not None:
+        log.info(try_line(spec.training, step, mlflow_run_id))
+    if directory is None:
+        return None
+    if step is not None:
+        log.info(
+            "sparktorch_ops: resuming from step %d of checkpoint_dir %s%s",
+            step,
+            directory,
+            f" (warm_start_from {warm} not used: a resume wins)" if warm else "",
+        )
+    elif warm is not None:
+        log.info("sparktorch_ops: no checkpoint in %s yet: warm start from %s", directory, warm)
+    else:
+        log.info("sparktorch_ops: no checkpoint in %s yet: starting fresh", directory)
+    return step
 
 
 def _channel_host(spec: LaunchSpec, sc: Any) -> tuple[str, str | None]:
@@ -179,7 +262,7 @@ def launch(
         )
         plan = plan_run(spec, describe(payload), facts)
         machine.emit(events.PLANNED, nodes=plan.layout.num_tasks, plan=plan.to_dict())
-        resumed_from = resume.announce(spec, log, mlflow_run_id)
+        resumed_from = _announce_checkpoint(spec, log, mlflow_run_id)
         check_cancelled()
         machine.to(RunState.STARTING)
         launcher = _launcher(plan, payload, secret, prepared, server, collector, log)

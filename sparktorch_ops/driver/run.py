@@ -1,10 +1,10 @@
 """One run on the driver: prepare -> (launch -> supervise -> finish) per attempt.
 
 :class:`Run` holds the run's identity, its state machine (:mod:`sparktorch_ops.events`) and
-its observers (MLflow when tracked, then the caller's ``on_event`` / ``on_metrics``); each part
-lives in its own module: :mod:`~sparktorch_ops.driver.prepare` (session, checks, input),
-:mod:`~sparktorch_ops.driver.launch` (channel, plan, launcher),
-:mod:`~sparktorch_ops.driver.supervise` and :mod:`~sparktorch_ops.driver.finish`.
+its observers (MLflow when tracked, then the caller's ``on_event`` / ``on_metrics``); the
+parts live in :mod:`~sparktorch_ops.driver.prepare` (session, checks, input),
+:mod:`~sparktorch_ops.driver.launch` (channel, plan, launcher) and
+:mod:`~sparktorch_ops.driver.supervise`; the finish (rank 0's value, the result) is here.
 A helper thread drives the run while the caller's thread waits in plain Python, so that
 Ctrl-C or an orchestrator's timeout reaches the caller and becomes a cancel. An attempt that an
 infrastructure failure ended is followed by another, up to ``max_failures``
@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import logging
+import sys
 import threading
 import time
 import uuid
+from typing import Any
 
+import cloudpickle
 import pendulum
 
 from sparktorch_ops import errors, events
-from sparktorch_ops.driver import resume
 from sparktorch_ops.driver.attempts import Cause, infrastructure_cause, retry_line
-from sparktorch_ops.driver.console import PACKAGE_LOGGER, console
-from sparktorch_ops.driver.finish import rank0_value, run_result
-from sparktorch_ops.driver.launch import launch
+from sparktorch_ops.driver.collector import RunCollector
+from sparktorch_ops.driver.launch import Launched, latest_checkpoint, launch
 from sparktorch_ops.driver.packing import describe
 from sparktorch_ops.driver.prepare import Prepared, next_attempt_processes, prepare
 from sparktorch_ops.driver.supervise import POLL_S, Supervisor
@@ -35,9 +37,61 @@ from sparktorch_ops.driver.tracking import MlflowTracker, start_tracking
 from sparktorch_ops.events import RunState, RunStateMachine
 from sparktorch_ops.job import TrainingJob
 from sparktorch_ops.results import Attempt, MetricRecord, RunResult
+from sparktorch_ops.spark import session as spark_support
 from sparktorch_ops.spec import LaunchSpec
+from sparktorch_ops.wire.payload import FunctionCall, Payload
 
 _CANCEL_WAIT_S = 60.0  # how long an interrupted caller waits for the run to be torn down
+PACKAGE_LOGGER = logging.getLogger("sparktorch_ops")
+
+
+class ConsoleOutput:
+    """Rank lines on the driver's stdout/stderr while runs without a logger are in progress.
+
+    With no ``logger=`` and no handler configured for :data:`PACKAGE_LOGGER` (a plain script,
+    a notebook), INFO records would be dropped; torchrun prints its ranks' output, so a run
+    does too: stdout lines to stdout, stderr lines (WARNING) to stderr. A configured handler
+    (or one anywhere up the logger tree) takes over. The handlers are reference-counted: runs
+    in several threads share them, and the last one to end removes them.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved_level = logging.NOTSET
+        self._handlers: list[logging.Handler] = []
+
+    def acquire(self) -> bool:
+        """Attach the handlers if nothing handles our logger; True when this call uses them."""
+        with self._lock:
+            if self._users == 0:
+                if PACKAGE_LOGGER.hasHandlers():
+                    return False
+                out = logging.StreamHandler(sys.stdout)
+                out.addFilter(lambda record: record.levelno < logging.WARNING)
+                err = logging.StreamHandler(sys.stderr)
+                err.setLevel(logging.WARNING)
+                self._handlers = [out, err]
+                for handler in self._handlers:
+                    handler.setFormatter(logging.Formatter("%(message)s"))
+                    PACKAGE_LOGGER.addHandler(handler)
+                self._saved_level = PACKAGE_LOGGER.level
+                PACKAGE_LOGGER.setLevel(logging.INFO)
+            self._users += 1
+            return True
+
+    def release(self) -> None:
+        """Detach the handlers once the last run that uses them is over."""
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                for handler in self._handlers:
+                    PACKAGE_LOGGER.removeHandler(handler)
+                self._handlers = []
+                PACKAGE_LOGGER.setLevel(self._saved_level)
+
+
+console = ConsoleOutput()
 
 
 def new_run_id() -> str:
@@ -202,7 +256,7 @@ class Run:
         self.check_cancelled()
         processes = next_attempt_processes(self.job, prepared, self.machine, log)
         assert failed.cause is not None
-        resume_step = resume.latest(spec, log)
+        resume_step = latest_checkpoint(spec, log)
         attempts = spec.max_failures + 1
         log.warning(
             retry_line(number, attempts, failed.cause, failed.last_step, resume_step, processes)
@@ -256,9 +310,70 @@ class Run:
             machine.to(RunState.FINISHING)
             supervisor.drain()
             machine.emit(events.DRAINED)
-            value = rank0_value(collector, payload)
-        result = run_result(spec, launched, prepared, value, started_at, log)
+            value = _rank0_value(collector, payload)
+        result = _run_result(spec, launched, prepared, value, started_at, log)
         return result, launched.resumed_from
+
+
+def _rank0_value(collector: RunCollector, payload: Payload) -> Any:
+    """A function's return value (unpickled) or a script's stdout, from rank 0.
+
+    Raises:
+        ResultTooLargeError: over ``max_result_bytes``.
+        ChannelError: rank 0 finished but its value never arrived.
+        SparkTorchError: the value does not unpickle on the driver.
+    """
+    if collector.result.refused is not None:
+        raise collector.result.refused
+    if not isinstance(payload, FunctionCall):
+        return collector.stdout.text()
+    if collector.result.value is None:
+        raise errors.ChannelError(
+            "rank 0 finished but its return value never arrived over the channel"
+        )
+    try:
+        return cloudpickle.load(collector.result.value.reader())
+    except Exception as exc:
+        raise errors.SparkTorchError(
+            f"rank 0's return value cannot be unpickled on the driver: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _run_result(
+    spec: LaunchSpec,
+    launched: Launched,
+    prepared: Prepared,
+    value: Any,
+    started_at: pendulum.DateTime,
+    log: logging.Logger,
+) -> RunResult:
+    """Everything a finished run produced, for the caller."""
+    collector, sc, data = launched.collector, prepared.sc, prepared.data
+    directory = spec.checkpoint_dir
+    return RunResult(
+        value=value,
+        exit_codes=collector.exit_codes(),
+        outputs=collector.outputs(),
+        metrics=list(collector.metrics.records),
+        metrics_dropped=collector.metrics.dropped,
+        started_at=started_at,
+        finished_at=pendulum.now("UTC"),
+        mode=spec.mode,
+        num_processes=spec.num_processes,
+        app_id=spark_support.app_id(sc) if sc is not None else None,
+        ui_url=spark_support.ui_url(sc) if sc is not None else None,
+        output_truncated=collector.stdout.cut,
+        run_id=launched.plan.run_id,
+        input=({**data.facts.summary(), "source": data.description} if data is not None else None),
+        checkpoint=None
+        if directory is None
+        else {
+            "dir": directory,
+            "resumed_from_step": launched.resumed_from,
+            "warm_start_from": spec.warm_start_from if launched.resumed_from is None else None,
+            "latest_step": latest_checkpoint(spec, log),
+        },
+    )
 
 
 @dataclasses.dataclass
