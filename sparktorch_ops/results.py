@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 from collections.abc import Iterable
@@ -94,13 +95,7 @@ class MetricRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict of the record."""
-        return {
-            "rank": self.rank,
-            "step": self.step,
-            "time": self.time,
-            "values": dict(self.values),
-            "progress": self.progress,
-        }
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "replayed"}
 
 
 @dataclass(frozen=True)
@@ -131,15 +126,7 @@ class Attempt:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict of the attempt."""
-        return {
-            "number": self.number,
-            "num_processes": self.num_processes,
-            "started_at": self.started_at,
-            "seconds": round(self.seconds, 3),
-            "resumed_from": self.resumed_from,
-            "cause": self.cause,
-            "host": self.host,
-        }
+        return {**dataclasses.asdict(self), "seconds": round(self.seconds, 3)}
 
     def describe(self) -> str:
         """``attempt 1 (2 ranks, 12.3 s): <cause>`` (``succeeded`` when it did)."""

@@ -50,8 +50,6 @@ __all__ = [
     "partition_loader",
 ]
 
-# The directory of a node's shards; the worker sets DATA_FILE_ENV to its own (LOCAL_RANK's).
-
 
 # -- the rank side ------------------------------------------------------------------------------
 def _shard_path(environ: Mapping[str, str]) -> str:
@@ -67,10 +65,13 @@ def _shard_path(environ: Mapping[str, str]) -> str:
     return path
 
 
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(name, f"must be a positive integer, got {value!r}")
-    return value
+def _check_int(name: str, value: object, minimum: int | None) -> None:
+    """Refuse what is not an int of at least ``minimum`` (None: any int)."""
+    wanted = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}[minimum]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(name, f"must be {wanted}, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(name, f"must be {wanted}, got {value!r}")
 
 
 def partition_loader(
@@ -128,12 +129,10 @@ def partition_loader(
             or a selected column that cannot become a tensor.
         ConfigError: a bad argument, e.g. a column the shard does not have.
     """
-    _positive("batch_size", batch_size)
-    _positive("shuffle_window", shuffle_window)
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ConfigError("num_workers", f"must be a non-negative integer, got {num_workers!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError("seed", f"must be an integer, got {seed!r}")
+    _check_int("batch_size", batch_size, 1)
+    _check_int("shuffle_window", shuffle_window, 1)
+    _check_int("num_workers", num_workers, 0)
+    _check_int("seed", seed, None)
     environ = os.environ
     path = _shard_path(environ)
     from sparktorch_ops.data import loader as _loader
@@ -195,11 +194,9 @@ def get_spark_partition_data_loader(
         DataError: not inside a DataFrame run, an unreadable shard, or a column that cannot
             become a tensor.
     """
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 0:
-        raise ConfigError("num_samples", f"must be a non-negative integer, got {num_samples!r}")
-    _positive("batch_size", batch_size)
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ConfigError("num_workers", f"must be a non-negative integer, got {num_workers!r}")
+    _check_int("num_samples", num_samples, 0)
+    _check_int("batch_size", batch_size, 1)
+    _check_int("num_workers", num_workers, 0)
     path = _shard_path(os.environ)
     from sparktorch_ops.data import loader as _loader
 

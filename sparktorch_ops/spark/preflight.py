@@ -111,10 +111,8 @@ def known_slots(session: Any) -> int | None:
     except ConfigError:
         return None
     task_cpus = int(conf_value(session, "spark.task.cpus") or "1")
-    inside = parsed.url[parsed.url.find("[") + 1 : -1] if "[" in parsed.url else ""
+    inside = parsed.url[parsed.url.find("[") + 1 : -1] if "[" in parsed.url else "1"
     if parsed.kind == "local":
-        if not inside:
-            return 1 // task_cpus
         threads = inside.split(",")[0]
         if threads == "*":
             return None  # the server's core count: not known here
@@ -160,24 +158,19 @@ def _replacement_grace_s(sc: SparkContext, *, replacing: bool) -> float:
     replaced (see planning); Spark's status store keeps the removed ones with their reason."""
     if _in_process(sc):
         return REPLACEMENT_WAIT_S if replacing else 0.0
-    now_ms = time.time() * 1000
+    now_s = time.time()
     lost: list[tuple[float, str]] = []
     added: list[float] = []
     summaries = sc._jsc.sc().statusStore().executorList(False)
-    for index in range(summaries.size()):
-        summary = summaries.apply(index)
+    for summary in (summaries.apply(i) for i in range(summaries.size())):
         if summary.id() == "driver":
             continue
         if summary.isActive():
-            added.append((now_ms - summary.addTime().getTime()) / 1000)
+            added.append(now_s - summary.addTime().getTime() / 1000)
         elif summary.removeTime().isDefined():
             reason = summary.removeReason()
-            lost.append(
-                (
-                    (now_ms - summary.removeTime().get().getTime()) / 1000,
-                    str(reason.get()) if reason.isDefined() else "",
-                )
-            )
+            removed_s = now_s - summary.removeTime().get().getTime() / 1000
+            lost.append((removed_s, str(reason.get()) if reason.isDefined() else ""))
     return replacement_grace(lost, added, REPLACEMENT_WAIT_S, replacing=replacing)
 
 
@@ -296,12 +289,8 @@ _SAY_WAITING_AFTER_S = 1.0
 def busy_slots(sc: SparkContext) -> int:
     """Task slots the application's running tasks hold now (as Spark's status store has it)."""
     tracker = sc.statusTracker()
-    busy = 0
-    for stage in tracker.getActiveStageIds():
-        info = tracker.getStageInfo(stage)
-        if info is not None:
-            busy += int(info.numActiveTasks)
-    return busy
+    infos = (tracker.getStageInfo(stage) for stage in tracker.getActiveStageIds())
+    return sum(int(info.numActiveTasks) for info in infos if info is not None)
 
 
 def _wait_for_free_slots(
