@@ -50,16 +50,9 @@ class ConfigPayload:
 
 
 def script_argv(script_path: str, script_args: Sequence[Any], config_path: str | None) -> list[str]:
-    """The ``sys.argv`` a DeepSpeed script sees on each rank.
-
-    The user's arguments come first, then ``--deepspeed`` and, when a configuration was given,
-    ``--deepspeed_config`` and the path of the rank's copy of it.
-
-    Args:
-        script_path: the script as the rank runs it (``sys.argv[0]``).
-        script_args: the arguments passed to ``run`` after the script (converted with ``str``).
-        config_path: the rank's configuration file, or None when no configuration was given.
-    """
+    """The ``sys.argv`` a DeepSpeed script sees on each rank: the script, the user's arguments,
+    then ``--deepspeed`` and, when a configuration was given, ``--deepspeed_config`` and the
+    rank's copy of it (``config_path``)."""
     argv = [script_path, *(str(arg) for arg in script_args), DEEPSPEED_FLAG]
     if config_path is not None:
         argv += [DEEPSPEED_CONFIG_FLAG, config_path]

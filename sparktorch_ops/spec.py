@@ -89,13 +89,6 @@ def _check_env(env: Mapping[str, str] | None) -> dict[str, str]:
 _SCRIPT_SLOT = "<sparktorch_ops: the entry point>"
 
 
-class _Unset:
-    """The default of every owned torchrun option while the user's arguments are parsed."""
-
-    def __repr__(self) -> str:
-        return "<unset>"
-
-
 def _torchrun_parser_error(message: str) -> NoReturn:
     raise ConfigError(
         "torchrun_args", f"torchrun cannot parse them ({message}); give options with their values"
@@ -127,7 +120,7 @@ def _check_torchrun_args(args: Iterable[str] | None) -> tuple[str, ...]:
 
     parser = get_args_parser()
     parser.error = _torchrun_parser_error  # type: ignore[method-assign]
-    unset = _Unset()
+    unset = object()  # the default of every owned option while the user's are parsed
     owned = {a.dest: a.option_strings for a in parser._actions if a.dest in _OWNED_TORCHRUN_DESTS}
     parser.set_defaults(**dict.fromkeys(owned, unset))
     try:
@@ -166,16 +159,9 @@ def _check_log_ranks(log_ranks: Iterable[int] | None) -> frozenset[int] | None:
     return ranks
 
 
-def local_processes_limit(max_local_processes: int | None, cpu_count: int | None) -> int:
-    """The most ranks local mode may start: the option, else 4 per CPU of the driver."""
-    if max_local_processes is not None:
-        return max_local_processes
-    return LOCAL_PROCESSES_PER_CPU * (cpu_count or 1)
-
-
 def _check_local_processes(num_processes: int, max_local_processes: int | None) -> None:
     cpus = os.cpu_count()
-    limit = local_processes_limit(max_local_processes, cpus)
+    limit = max_local_processes or LOCAL_PROCESSES_PER_CPU * (cpus or 1)
     if num_processes <= limit:
         return
     why = (

@@ -11,7 +11,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sparktorch_ops.checkpoint.storage import replace_file
@@ -236,25 +236,23 @@ def _number_problem(arrow_type: pa.DataType) -> str | None:
         return None
     if types.is_signed_integer(arrow_type) or types.is_uint8(arrow_type):
         return None
-    if types.is_unsigned_integer(arrow_type):
-        return f"{arrow_type} has no general torch dtype; cast it to a signed integer"
-    if types.is_decimal(arrow_type):
-        return f"{arrow_type} is a decimal; cast it to double"
-    if types.is_string(arrow_type) or types.is_large_string(arrow_type):
-        return "strings; encode them as numbers first (e.g. with StringIndexer)"
-    if getattr(types, "is_string_view", lambda _: False)(arrow_type):
-        return "strings; encode them as numbers first (e.g. with StringIndexer)"
-    if types.is_binary(arrow_type) or types.is_large_binary(arrow_type):
-        return "binary values"
-    if types.is_fixed_size_binary(arrow_type):
-        return "binary values"
-    if types.is_temporal(arrow_type):
-        return f"{arrow_type} is a date or time; cast it to a number (e.g. unix seconds)"
-    if types.is_null(arrow_type):
-        return "every value is null (no type)"
-    if types.is_dictionary(arrow_type):
-        return "dictionary-encoded values"
-    return f"{arrow_type} is not a number"
+    strings = "strings; encode them as numbers first (e.g. with StringIndexer)"
+    is_string_view = getattr(types, "is_string_view", lambda _: False)
+    problems: tuple[tuple[Callable[[Any], bool], str], ...] = (
+        (types.is_unsigned_integer, "{} has no general torch dtype; cast it to a signed integer"),
+        (types.is_decimal, "{} is a decimal; cast it to double"),
+        (types.is_string, strings),
+        (types.is_large_string, strings),
+        (is_string_view, strings),
+        (types.is_binary, "binary values"),
+        (types.is_large_binary, "binary values"),
+        (types.is_fixed_size_binary, "binary values"),
+        (types.is_temporal, "{} is a date or time; cast it to a number (e.g. unix seconds)"),
+        (types.is_null, "every value is null (no type)"),
+        (types.is_dictionary, "dictionary-encoded values"),
+    )
+    why = next((why for check, why in problems if check(arrow_type)), "{} is not a number")
+    return why.format(arrow_type)  # "{}": the type
 
 
 def _type_problem(arrow_type: pa.DataType) -> str | None:

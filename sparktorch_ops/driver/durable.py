@@ -27,7 +27,7 @@ import json
 import os
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -82,12 +82,8 @@ class TrainingRecord:
 
     def to_json(self) -> dict[str, Any]:
         """The record as the store keeps it."""
-        record: dict[str, Any] = {"training_id": self.training_id, "tries": list(self.tries)}
-        for name in ("max_tries", "mlflow_run_id", "finished_in_try", "result"):
-            value = getattr(self, name)
-            if value is not None:
-                record[name] = value
-        return record
+        record = {k: v for k, v in asdict(self).items() if v is not None}
+        return {**record, "tries": list(self.tries)}
 
     @classmethod
     def from_json(cls, stored: Any) -> TrainingRecord:

@@ -38,7 +38,6 @@ from sparktorch_ops.spec import LaunchSpec
 from sparktorch_ops.wire.channel import ChannelServer
 from sparktorch_ops.wire.payload import FunctionCall, Payload
 from sparktorch_ops.wire.plan import UNKNOWN, RunPlan
-from sparktorch_ops.wire.tls import ChannelCertificate
 
 _COLLATERAL_S = 3.0  # how long a teardown waits for the other ranks to hang up
 
@@ -145,16 +144,6 @@ def _channel_host(spec: LaunchSpec, sc: Any) -> tuple[str, str | None]:
     return spark_support.driver_host(sc), None
 
 
-def _channel_certificate(spec: LaunchSpec, sc: Any) -> ChannelCertificate | None:
-    """A TLS certificate for the channel when Spark encrypts its own traffic (barrier mode;
-    the local mode's channel never leaves loopback), unless the user opted out."""
-    if sc is None or spec.allow_unencrypted_channel:
-        return None
-    if not spark_support.encryption_enabled(sc):
-        return None
-    return make_certificate()
-
-
 def _say_unreachable(
     run_id: str, address: str, log: logging.Logger
 ) -> Callable[[dict[int, str]], None]:
@@ -239,7 +228,10 @@ def launch(
     sc = prepared.sc
     host, advertise = _channel_host(spec, sc)
     secret = secrets.token_hex(32)
-    certificate = _channel_certificate(spec, sc)
+    # TLS when Spark encrypts its own traffic (barrier mode: the local mode's channel never
+    # leaves loopback), unless the user opted out.
+    encrypted = sc is not None and not spec.allow_unencrypted_channel
+    certificate = make_certificate() if encrypted and spark_support.encryption_enabled(sc) else None
     server = ChannelServer(
         host,
         collector,

@@ -103,25 +103,23 @@ def prepare(
         return prepared
 
     if spec.local_mode:
-        if job.data is None:
-            if job.spark.configured:
-                log.warning(
-                    "sparktorch_ops: the Spark master and settings are not used with "
-                    "local_mode=True (the ranks run on this machine); pass local_mode=False "
-                    "to train on the Spark cluster"
-                )
-            yield Prepared(None, _local_gpus(job), None, spec.num_processes)
-        elif job.data.dataframe is not None:
-            # The DataFrame's own session streams it to the driver.
-            session = job.data.dataframe.sparkSession
-            with spark_support.jobs_of_run(session, run_id, log):
+        if job.data is None and job.spark.configured:
+            log.warning(
+                "sparktorch_ops: the Spark master and settings are not used with "
+                "local_mode=True (the ranks run on this machine); pass local_mode=False "
+                "to train on the Spark cluster"
+            )
+        with contextlib.ExitStack() as stack:
+            data = None
+            if job.data is not None and job.data.dataframe is not None:
+                # The DataFrame's own session streams it to the driver.
+                session = job.data.dataframe.sparkSession
+                stack.enter_context(spark_support.jobs_of_run(session, run_id, log))
                 data = checked_input(session)
-                yield Prepared(None, _local_gpus(job), data, spec.num_processes)
-        else:
-            # SQL, a table or a path: a session from the job's settings reads it.
-            with _session(job, run_id, log) as handle:
-                data = checked_input(handle.session)
-                yield Prepared(None, _local_gpus(job), data, spec.num_processes)
+            elif job.data is not None:
+                # SQL, a table or a path: a session from the job's settings reads it.
+                data = checked_input(stack.enter_context(_session(job, run_id, log)).session)
+            yield Prepared(None, _local_gpus(job), data, spec.num_processes)
         return
     with _session(job, run_id, log) as handle:
         session = handle.session
