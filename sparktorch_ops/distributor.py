@@ -6,7 +6,6 @@ without I/O (:func:`plan_job`, the dry run, from the same facts and planner as a
 from __future__ import annotations
 
 import datetime
-import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -294,9 +293,8 @@ def plan_job(job: TrainingJob) -> RunPlan:
         # it would start with; Spark's defaults otherwise.
         session = job.spark.session
         if session is not None:
-            conf_value = functools.partial(
-                spark_support.conf_value, spark_support.conf_source(session)
-            )
+            source = spark_support.conf_source(session)
+            conf_value = lambda key: spark_support.conf_value(source, key)  # noqa: E731
         else:
             conf = {str(k): str(v) for k, v in job.spark.conf.items()}
             conf_value = conf.get
