@@ -317,11 +317,6 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
 
 def _mlflow_tags(ti: Any) -> dict[str, str]:
     """MLflow tags that find the task try that trained."""
-    dag_id, run_id, task_id, map_index = storage.task_ids(ti)
-    tags = {
-        "airflow.dag_id": dag_id,
-        "airflow.run_id": run_id,
-        "airflow.task_id": task_id,
-        "airflow.try_number": str(ti.try_number),
-    }
-    return tags if map_index < 0 else {**tags, "airflow.map_index": str(map_index)}
+    names = ["dag_id", "run_id", "task_id", "try_number"]
+    names += ["map_index"] if storage.task_ids(ti)[3] >= 0 else []
+    return {f"airflow.{name}": str(getattr(ti, name)) for name in names}

@@ -278,25 +278,21 @@ def _relative_to_location(uri: str, location: str) -> str | None:
         if target == base or os.path.commonpath([base, target]) != base:
             return None
         return target
-    target_parts = urllib.parse.urlsplit(uri)
-    if target_parts.query or target_parts.fragment:
+    parts = urllib.parse.urlsplit(uri)
+    if parts.query or parts.fragment:
         return None
-    parts = target_parts.path.split("/")[1:]
-    if any(p in ("", ".", "..") or urllib.parse.unquote(p) in (".", "..") for p in parts):
+    names = parts.path.split("/")[1:]
+    if any(p in ("", ".", "..") or urllib.parse.unquote(p) in (".", "..") for p in names):
         return None
-    target_path = posixpath.normpath(target_parts.path)
+    target_path = posixpath.normpath(parts.path)
     bases = {location}
     with contextlib.suppress(Exception):  # as store_value wrote it, where the scheme is known
         bases.add(_uri(_path(location)))
-    for base_uri in bases:
-        base_parts = urllib.parse.urlsplit(base_uri)
+    place = (parts.scheme.lower(), parts.netloc)
+    for base_parts in map(urllib.parse.urlsplit, bases):
         base_path = base_parts.path.rstrip("/")
-        if (
-            (base_parts.scheme.lower(), base_parts.netloc)
-            == (target_parts.scheme.lower(), target_parts.netloc)
-            and target_path.startswith(f"{base_path}/")
-            and target_path != base_path
-        ):
+        same_place = (base_parts.scheme.lower(), base_parts.netloc) == place
+        if same_place and target_path.startswith(f"{base_path}/"):
             return uri
     return None
 
