@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sparktorch_ops.airflow.links import MlflowRunLink, SparkUILink
-    from sparktorch_ops.airflow.operator import TorchDistributorOperator
-    from sparktorch_ops.airflow.outcomes import TorchTrainingError
+    from sparktorch_ops.airflow.operator import TorchDistributorOperator, TorchTrainingError
     from sparktorch_ops.airflow.storage import (
         ResultExistsError,
         ResultIntegrityError,
@@ -35,7 +34,7 @@ _HOMES = {
     "MlflowRunLink": "sparktorch_ops.airflow.links",
     "SparkUILink": "sparktorch_ops.airflow.links",
     "TorchDistributorOperator": "sparktorch_ops.airflow.operator",
-    "TorchTrainingError": "sparktorch_ops.airflow.outcomes",
+    "TorchTrainingError": "sparktorch_ops.airflow.operator",
     "load_result": "sparktorch_ops.airflow.storage",
     "ResultExistsError": "sparktorch_ops.airflow.storage",
     "ResultIntegrityError": "sparktorch_ops.airflow.storage",

@@ -68,15 +68,9 @@ class TorchTrainingTrigger(BaseTrigger):
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """What re-creates this trigger in another triggerer process."""
-        return (
-            f"{type(self).__module__}.{type(self).__qualname__}",
-            {
-                "run_dir": self.run_dir,
-                "deadline": self.deadline,
-                "poll_interval": self.poll_interval,
-                "try_number": self.try_number,
-            },
-        )
+        names = ("run_dir", "deadline", "poll_interval", "try_number")
+        path = f"{type(self).__module__}.{type(self).__qualname__}"
+        return path, {name: getattr(self, name) for name in names}
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Look at the run directory until the training has ended; log its lines meanwhile."""
@@ -85,12 +79,13 @@ class TorchTrainingTrigger(BaseTrigger):
         while True:
             status = await asyncio.to_thread(handle.status)
             after = await asyncio.to_thread(self._forward_logs, handle, after)
-            if status.done:
+            past = self.deadline is not None and time.time() >= self.deadline
+            if status.done or (timed_out and past):
                 yield TriggerEvent(
                     {"run_dir": self.run_dir, "state": status.state, "timed_out": timed_out}
                 )
                 return
-            if self.deadline is not None and time.time() >= self.deadline and not timed_out:
+            if past:
                 self.log.warning(
                     "sparktorch_ops: the task's execution_timeout ran out: cancelling the "
                     "training in %s",
@@ -99,11 +94,6 @@ class TorchTrainingTrigger(BaseTrigger):
                 await asyncio.to_thread(handle.cancel, "the Airflow task's execution_timeout")
                 timed_out = True
                 self.deadline = time.time() + _CANCEL_WAIT_S  # then it reports whatever it is
-            elif timed_out and self.deadline is not None and time.time() >= self.deadline:
-                yield TriggerEvent(
-                    {"run_dir": self.run_dir, "state": status.state, "timed_out": True}
-                )
-                return
             await asyncio.sleep(pause)
             pause = min(pause * 1.5, self.poll_interval)
 

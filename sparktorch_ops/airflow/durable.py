@@ -80,14 +80,12 @@ class DurableTraining(ResumableJobMixin):
     def store_summary(self, context: Context, summary: dict[str, Any]) -> dict[str, Any]:
         """A deferred try ends in ``execute_complete``: store its summary as a try that
         trained in place does (a later try returns it instead of training)."""
-        ti: Any = context["ti"]
         store = context.get("task_state_store")
-        if self.durable and store is not None:
-            stored = store.get(self.external_id_key)
-            if stored is not None:
-                save = functools.partial(store.set, self.external_id_key)
-                record = TrainingRecord.from_json(stored)
-                StoredTraining(record, save).finish(ti.try_number, summary)
+        stored = store.get(self.external_id_key) if self.durable and store is not None else None
+        if store is not None and stored is not None:
+            save = functools.partial(store.set, self.external_id_key)
+            try_number = context["ti"].try_number
+            StoredTraining(TrainingRecord.from_json(stored), save).finish(try_number, summary)
         self._summary = summary
         return summary
 

@@ -2,7 +2,8 @@
 
 It renders its templated fields, turns them and its Spark connection into the core's job
 (:func:`sparktorch_ops.job.build_job`), launches it, and maps the result and the core's outcome
-to Airflow: an XCom summary, the task log, an extra link, and Airflow's exceptions.
+to Airflow: an XCom summary, the task log, an extra link, and Airflow's exceptions (bad input
+fails without a retry, anything else may be retried).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
-from airflow.providers.common.compat.sdk import AirflowFailException, conf
+from airflow.providers.common.compat.sdk import AirflowException, AirflowFailException, conf
 from airflow.sdk import BaseOperator
 
 from sparktorch_ops import events, options
-from sparktorch_ops.airflow import deferred, storage, task_instance
+from sparktorch_ops.airflow import deferred, storage
 from sparktorch_ops.airflow.connection import (
     DEFAULT_CONN_ID,
     MissingConnectionError,
@@ -25,8 +26,7 @@ from sparktorch_ops.airflow.connection import (
 )
 from sparktorch_ops.airflow.durable import DurableTraining
 from sparktorch_ops.airflow.links import MlflowRunLink, SparkUILink
-from sparktorch_ops.airflow.outcomes import airflow_error, summary_of
-from sparktorch_ops.errors import ConfigError, SparkTorchError
+from sparktorch_ops.errors import ConfigError, SparkTorchError, outcome_of
 from sparktorch_ops.job import CancelToken, build_job
 from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
 from sparktorch_ops.spark.dataframe import DataInput
@@ -36,7 +36,24 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
     from sparktorch_ops.driver.durable import TrainingTry
-    from sparktorch_ops.results import MetricRecord
+    from sparktorch_ops.results import MetricRecord, RunResult
+
+
+class TorchTrainingError(AirflowException):
+    """Training failed, timed out or was cancelled; Airflow may retry the task.
+
+    The message names the failing rank and ends with its traceback tail, so the task's failure
+    in the Airflow UI says why.
+    """
+
+
+def airflow_error(exc: SparkTorchError) -> AirflowException:
+    """The core's error as Airflow's: bad input fails the task without a retry
+    (``AirflowFailException``), anything else may be retried (:class:`TorchTrainingError`)."""
+    outcome = outcome_of(exc)
+    if not outcome.retryable:
+        return AirflowFailException(f"sparktorch_ops: {outcome.message}")
+    return TorchTrainingError(outcome.message)
 
 
 @options.documented("operator")
@@ -173,19 +190,19 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
         try:
             data = self._data_input()
             ti: Any = context["ti"]
-            location = str(self.result_location or storage.default_result_location())
+            location = self._result_location()
             training_id = training.training_id if training else None
             launch = {
                 **options.values_of("operator", self),
                 "checkpoint_dir": self.checkpoint_dir
-                or task_instance.default_location(ti, location, "checkpoints", training_id),
+                or storage.task_location(ti, location, "checkpoints", training_id),
                 "mlflow_tracking_uri": mlflow_tracking_uri(
                     self.mlflow_tracking_uri, self.mlflow_experiment, self.mlflow_conn_id, self.log
                 ),
             }
             if self.deferrable:
                 launch["detached"] = True
-                launch["run_dir"] = self.run_dir or task_instance.default_location(
+                launch["run_dir"] = self.run_dir or storage.task_location(
                     ti, location, "runs", training_id
                 )
             train = self.train
@@ -196,7 +213,7 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
                 train_args=self.train_args,
                 train_kwargs=self.train_kwargs,
                 spark=self._spark_settings(),
-                mlflow_tags=task_instance.mlflow_tags(ti),
+                mlflow_tags=_mlflow_tags(ti),
                 logger=self.log,
                 on_metrics=self._on_metrics,
                 on_event=lambda event: self._on_event(event, ti),
@@ -214,8 +231,7 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
             raise airflow_error(exc) from exc
         finally:
             self._cancel_token = CancelToken()  # a kill of this try is not the next try's
-        self.mlflow_run_link = result.mlflow_run_url or ""
-        return summary_of(result, ti, location, self.max_xcom_value_bytes, self.log)
+        return self._xcom_summary(result, ti)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         """The deferred training ended: the same XCom summary as ``execute`` returns."""
@@ -228,10 +244,7 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
             raise airflow_error(exc) from exc
         if result.ui_url:
             self.spark_ui_link = SparkUILink().publish({"ui_url": result.ui_url}, ti, self.log)
-        self.mlflow_run_link = result.mlflow_run_url or ""
-        location = str(self.result_location or storage.default_result_location())
-        summary = summary_of(result, ti, location, self.max_xcom_value_bytes, self.log)
-        return self.store_summary(context, summary)
+        return self.store_summary(context, self._xcom_summary(result, ti))
 
     def on_kill(self) -> None:
         """Cancel the run: the Spark job is interrupted and every process of the run ends.
@@ -241,6 +254,35 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
         ``execute`` tears the run down and raises.
         """
         self._cancel_token.cancel("the Airflow task was killed (on_kill)")
+
+    def _result_location(self) -> str:
+        return str(self.result_location or storage.default_result_location())
+
+    def _xcom_summary(self, result: RunResult, ti: Any) -> dict[str, Any]:
+        """The XCom of a finished training: rank 0's value inline, or stored under the result
+        location (a write that fails is a :class:`TorchTrainingError`), and its summary."""
+        self.mlflow_run_link = result.mlflow_run_url or ""
+        location = self._result_location()
+        try:
+            fields = storage.value_fields(
+                result.value,
+                location=location,
+                key=storage.result_key(*storage.task_ids(ti), ti.try_number),
+                max_bytes=self.max_xcom_value_bytes,
+            )
+            if "value_uri" in fields:
+                self.log.info(
+                    "sparktorch_ops: rank 0's value (%s) written to %s (%d bytes)",
+                    fields["value_stored_because"],
+                    fields["value_uri"],
+                    fields["value_size"],
+                )
+            return {**fields, **result.summary()}
+        except Exception as exc:
+            raise TorchTrainingError(
+                f"training succeeded but rank 0's value could not be written to "
+                f"{location!r}: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _data_input(self) -> DataInput | None:
         """The rendered ``input_*`` arguments as the core's input, or None."""
@@ -271,3 +313,10 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
     def _on_metrics(self, record: MetricRecord) -> None:
         if record.rank == 0:
             self.log.info("sparktorch_ops: %s", record.describe())
+
+
+def _mlflow_tags(ti: Any) -> dict[str, str]:
+    """MLflow tags that find the task try that trained."""
+    names = ["dag_id", "run_id", "task_id", "try_number"]
+    names += ["map_index"] if storage.task_ids(ti)[3] >= 0 else []
+    return {f"airflow.{name}": str(getattr(ti, name)) for name in names}

@@ -27,14 +27,11 @@ import re
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import cloudpickle
 
 from sparktorch_ops.errors import ConfigError, SparkTorchError
-
-if TYPE_CHECKING:
-    from sparktorch_ops.results import RunResult
 
 DEFAULT_MAX_XCOM_VALUE_BYTES = 48 * 1024
 CONFIG_SECTION = "sparktorch_ops"
@@ -97,15 +94,9 @@ def json_safe_problem(value: Any, where: str = "value") -> str | None:
         return None
     if isinstance(value, float):
         return None if math.isfinite(value) else f"{where} is {value!r} (not finite)"
-    if isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            problem = json_safe_problem(item, f"{where}[{index}]")
-            if problem:
-                return problem
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
+    if isinstance(value, (list, tuple, dict)):
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if isinstance(value, dict) and not isinstance(key, str):
                 return f"{where} has a key of type {type(key).__name__} ({key!r})"
             problem = json_safe_problem(item, f"{where}[{key!r}]")
             if problem:
@@ -132,9 +123,7 @@ def _path(uri: str) -> Any:
 
 def _uri(path: Any) -> str:
     text = str(path)
-    if "://" in text:
-        return text
-    return str(path.as_uri())
+    return text if "://" in text else str(path.as_uri())
 
 
 def _local_path(location: str) -> str | None:
@@ -176,21 +165,30 @@ def result_key(
     return f"{task_key(dag_id, run_id, task_id, map_index)}/try-{int(try_number)}"
 
 
-def task_instance_location(
-    location: str, area: str, dag_id: str, run_id: str, task_id: str, map_index: int | None
-) -> str:
-    """A task instance's own directory in ``area`` under ``location``:
+def task_ids(ti: Any) -> tuple[str, str, str, int]:
+    """A task instance's ``(dag_id, run_id, task_id, map_index)``; -1: not mapped."""
+    index = getattr(ti, "map_index", -1)
+    return ti.dag_id, ti.run_id, ti.task_id, -1 if index is None else int(index)
+
+
+def task_location(ti: Any, location: str, area: str, training_id: str | None) -> str:
+    """The task instance's own directory in ``area`` under ``location``:
     ``<location>/<area>/<task_key>`` (the default ``checkpoint_dir`` in ``checkpoints``, a
-    deferred training's run directory in ``runs``).
+    deferred training's run directory in ``runs``); a durable training's own under it (a
+    cleared task's new training starts afresh).
 
     Keyed by dag, run, task and map index but not the try, so a retry of the task instance
     finds its previous try's checkpoints and run, and a new DAG run starts fresh.
     """
-    relative = f"{area}/{task_key(dag_id, run_id, task_id, map_index)}"
+    relative = [
+        area,
+        *task_key(*task_ids(ti)).split("/"),
+        *([] if training_id is None else [training_id]),
+    ]
     local = _local_path(location)
     if local is not None:
-        return os.path.join(local, *relative.split("/"))
-    return f"{location.rstrip('/')}/{relative}"
+        return os.path.join(local, *relative)
+    return "/".join([location.rstrip("/"), *relative])
 
 
 def _check_key(key: str) -> None:
@@ -269,21 +267,6 @@ def value_fields(
     return {**store_value(value, location, key), "value_stored_because": problem}
 
 
-def xcom_summary(
-    result: RunResult, *, location: str, key: str, max_bytes: int | None, log: Any
-) -> dict[str, Any]:
-    """The operator's XCom: rank 0's value (:func:`value_fields`) and the run's summary."""
-    fields = value_fields(result.value, location=location, key=key, max_bytes=max_bytes)
-    if "value_uri" in fields:
-        log.info(
-            "sparktorch_ops: rank 0's value (%s) written to %s (%d bytes)",
-            fields["value_stored_because"],
-            fields["value_uri"],
-            fields["value_size"],
-        )
-    return {**fields, **result.summary()}
-
-
 def _relative_to_location(uri: str, location: str) -> str | None:
     """``uri`` below ``location`` as a local path (or the URI itself), None when outside it."""
     local_base, local_target = _local_path(location), _local_path(uri)
@@ -295,25 +278,21 @@ def _relative_to_location(uri: str, location: str) -> str | None:
         if target == base or os.path.commonpath([base, target]) != base:
             return None
         return target
-    target_parts = urllib.parse.urlsplit(uri)
-    if target_parts.query or target_parts.fragment:
+    parts = urllib.parse.urlsplit(uri)
+    if parts.query or parts.fragment:
         return None
-    parts = target_parts.path.split("/")[1:]
-    if any(p in ("", ".", "..") or urllib.parse.unquote(p) in (".", "..") for p in parts):
+    names = parts.path.split("/")[1:]
+    if any(p in ("", ".", "..") or urllib.parse.unquote(p) in (".", "..") for p in names):
         return None
-    target_path = posixpath.normpath(target_parts.path)
+    target_path = posixpath.normpath(parts.path)
     bases = {location}
     with contextlib.suppress(Exception):  # as store_value wrote it, where the scheme is known
         bases.add(_uri(_path(location)))
-    for base_uri in bases:
-        base_parts = urllib.parse.urlsplit(base_uri)
+    place = (parts.scheme.lower(), parts.netloc)
+    for base_parts in map(urllib.parse.urlsplit, bases):
         base_path = base_parts.path.rstrip("/")
-        if (
-            (base_parts.scheme.lower(), base_parts.netloc)
-            == (target_parts.scheme.lower(), target_parts.netloc)
-            and target_path.startswith(f"{base_path}/")
-            and target_path != base_path
-        ):
+        same_place = (base_parts.scheme.lower(), base_parts.netloc) == place
+        if same_place and target_path.startswith(f"{base_path}/"):
             return uri
     return None
 
@@ -371,12 +350,8 @@ def load_result(
             "no SHA-256 to check the stored pickle against, so it was not unpickled; pass the "
             "operator's XCom summary (it holds value_sha256), or sha256= with a URI",
         )
-    if "://" in inside:
-        with _path(inside).open("rb") as handle:
-            data = handle.read()
-    else:
-        with open(inside, "rb") as handle:
-            data = handle.read()
+    with _path(inside).open("rb") if "://" in inside else open(inside, "rb") as handle:
+        data = handle.read()
     if size is not None and len(data) != int(size):
         raise ResultIntegrityError(
             uri, f"{len(data)} bytes stored, {int(size)} recorded: the value was not used"

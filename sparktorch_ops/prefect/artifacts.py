@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
 import logging
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
@@ -42,6 +41,7 @@ KEY_PATTERN = re.compile(r"^[a-z0-9-]+$")
 SUFFIXES = ("progress", "metrics", "summary", "spark-ui", "mlflow")
 MAX_TABLE_ROWS = 1000
 _ERROR_LINES = 40
+_FIXED = ("step", "rank", "progress")
 
 
 def check_artifact_key(artifact_key: object) -> str:
@@ -79,21 +79,12 @@ def metrics_table(
     the last ``max_rows`` records are kept.
     """
     kept = list(records)[-max_rows:]
-    names: list[str] = []
-    for record in kept:
-        for name in record.values:
-            if name not in names and name not in ("step", "rank", "progress"):
-                names.append(name)
-    rows = []
-    for record in sorted(kept, key=lambda r: (r.step, r.rank)):
-        row: dict[str, Any] = {
-            "step": record.step,
-            "rank": record.rank,
-            "progress": record.progress,
-        }
-        row.update({name: record.values.get(name) for name in names})
-        rows.append(row)
-    return rows
+    names = [n for n in dict.fromkeys(n for r in kept for n in r.values) if n not in _FIXED]
+    return [
+        {"step": r.step, "rank": r.rank, "progress": r.progress}
+        | {name: r.values.get(name) for name in names}
+        for r in sorted(kept, key=lambda r: (r.step, r.rank))
+    ]
 
 
 def _cell(value: Any) -> str:
@@ -181,40 +172,24 @@ class RunSummary:
             source = f" from {self.input['source']}" if self.input.get("source") else ""
             rows.append(("Input", f"{self.input.get('rows')} rows{source}; columns {columns}"))
         if self.checkpoint:
-            resumed = self.checkpoint.get("resumed_from_step")
+            resumed, latest = (self.checkpoint.get(k) for k in ("resumed_from_step", "latest_step"))
             warm = self.checkpoint.get("warm_start_from")
-            start = (
-                f"resumed from step {resumed}"
-                if resumed is not None
-                else f"warm start from `{warm}`"
-                if warm
-                else "started fresh"
-            )
-            latest = self.checkpoint.get("latest_step")
-            rows.append(
-                (
-                    "Checkpoints",
-                    f"{start}; latest step {latest if latest is not None else 'none'} in "
-                    f"`{self.checkpoint.get('dir')}`",
-                )
-            )
-        if self.mlflow_run_id:
-            run = (
-                f"[`{self.mlflow_run_id}`]({self.mlflow_run_url})"
-                if self.mlflow_run_url
-                else f"`{self.mlflow_run_id}`"
-            )
-            rows.append(("MLflow run", run))
-        if self.attempts:
-            rows.append(("Attempts", "; ".join(self.attempts)))
-        if self.result:
-            rows.append(("Result", self.result))
-        if self.app_id:
-            rows.append(("Spark application", f"`{self.app_id}`"))
-        if self.ui_url:
-            rows.append(("Spark UI", f"[{self.ui_url}]({self.ui_url})"))
-        if self.run_id:
-            rows.append(("Run id", f"`{self.run_id}`"))
+            start = f"warm start from `{warm}`" if warm else "started fresh"
+            start = f"resumed from step {resumed}" if resumed is not None else start
+            latest = "none" if latest is None else latest
+            where = f"`{self.checkpoint.get('dir')}`"
+            rows.append(("Checkpoints", f"{start}; latest step {latest} in {where}"))
+        mlflow = f"`{self.mlflow_run_id}`"
+        mlflow = f"[{mlflow}]({self.mlflow_run_url})" if self.mlflow_run_url else mlflow
+        later = [
+            ("MLflow run", self.mlflow_run_id and mlflow),
+            ("Attempts", "; ".join(self.attempts)),
+            ("Result", self.result),
+            ("Spark application", self.app_id and f"`{self.app_id}`"),
+            ("Spark UI", self.ui_url and f"[{self.ui_url}]({self.ui_url})"),
+            ("Run id", self.run_id and f"`{self.run_id}`"),
+        ]
+        rows += [(name, value) for name, value in later if value]
         lines = [f"### {self.title}: {self.status}", "", "| | |", "|---|---|"]
         lines += [f"| {name} | {_cell(value)} |" for name, value in rows]
         if self.final_metrics:
@@ -224,22 +199,6 @@ class RunSummary:
             tail = self.error.rstrip().splitlines()[-_ERROR_LINES:]
             lines += ["", "**Error**", "", "```text", *tail, "```"]
         return "\n".join(lines) + "\n"
-
-
-def describe_error(exc: BaseException, timeout_seconds: float | None = None) -> tuple[str, str]:
-    """``(status, message)`` for the summary of a run that raised ``exc``.
-
-    Args:
-        exc: what the launch raised.
-        timeout_seconds: the task's Prefect timeout: it arrives as a cancellation.
-    """
-    if isinstance(exc, asyncio.CancelledError) and timeout_seconds is not None:
-        return "timed out", (
-            f"the task ran past its timeout_seconds={timeout_seconds:g}; the training was "
-            "stopped and every process of the run ended"
-        )
-    outcome = outcome_of(exc)
-    return outcome.state.value.replace("_", " "), outcome.message
 
 
 class RunArtifacts:
@@ -273,9 +232,10 @@ class RunArtifacts:
         """Create the progress artifact at 0 and start the publisher thread."""
         self._progress_id = self._safely(
             "progress",
-            lambda: create_progress_artifact(
-                progress=0.0, key=self.keys["progress"], description=self._description
-            ),
+            create_progress_artifact,
+            progress=0.0,
+            key=self.keys["progress"],
+            description=self._description,
         )
         self._sent = 0.0
         if self._progress_id is not None:
@@ -304,13 +264,14 @@ class RunArtifacts:
         if target is None or self._progress_id is None:
             return
         percent = round(max(0.0, min(1.0, target)) * 100.0, 2)
-        if percent == self._sent:
-            return
-        artifact_id = self._progress_id
-        self._safely(
-            "progress", lambda: update_progress_artifact(artifact_id=artifact_id, progress=percent)
-        )
-        self._sent = percent
+        if percent != self._sent:
+            self._safely(
+                "progress",
+                update_progress_artifact,
+                artifact_id=self._progress_id,
+                progress=percent,
+            )
+            self._sent = percent
 
     def close(self) -> None:
         """Stop the publisher thread without writing anything more."""
@@ -323,64 +284,58 @@ class RunArtifacts:
         completed: bool,
         session_created: bool | None = None,
     ) -> None:
-        """Final progress (100 when completed), the metrics table, the summary and the link.
+        """Final progress (100 when completed), the metrics table, the summary and the links.
 
         Args:
-            summary: the run's summary (its ``ui_url`` is the link's target).
+            summary: the run's summary (its ``ui_url`` is the Spark UI link's target).
             completed: whether the training completed.
             session_created: whether the run started its own Spark session (its live UI is
                 gone once the task ends).
         """
-        ui_url = summary.ui_url
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
         self._push(1.0 if completed else None)
         rows = metrics_table(self.records)
         if rows:
+            description = f"Metrics reported by the ranks of {summary.title}, per step"
             self._safely(
                 "metrics",
-                lambda: create_table_artifact(
-                    table=rows,
-                    key=self.keys["metrics"],
-                    description=f"Metrics reported by the ranks of {summary.title}, per step "
-                    f"(last {MAX_TABLE_ROWS} records)",
-                ),
+                create_table_artifact,
+                table=rows,
+                key=self.keys["metrics"],
+                description=f"{description} (last {MAX_TABLE_ROWS} records)",
             )
         self._safely(
             "summary",
-            lambda: create_markdown_artifact(
-                markdown=summary.markdown(),
-                key=self.keys["summary"],
-                description=f"Summary of {summary.title}",
-            ),
+            create_markdown_artifact,
+            markdown=summary.markdown(),
+            key=self.keys["summary"],
+            description=f"Summary of {summary.title}",
         )
-        links = {
-            "spark-ui": (
-                ui_url,
-                f"Spark UI of {summary.app_id or 'the run'}",
-                ui_description(ui_url, session_created) if ui_url else "",
-            ),
-            "mlflow": (
-                summary.mlflow_run_url,
-                f"MLflow run {summary.mlflow_run_id}",
-                f"The MLflow run that tracked {summary.title}",
-            ),
-        }
-        for name, (url, text, description) in links.items():
+        links = [
+            ("spark-ui", summary.ui_url, f"Spark UI of {summary.app_id or 'the run'}"),
+            ("mlflow", summary.mlflow_run_url, f"MLflow run {summary.mlflow_run_id}"),
+        ]
+        for name, url, text in links:
             if url:
-                link = functools.partial(
+                description = (
+                    _ui_description(url, session_created)
+                    if name == "spark-ui"
+                    else f"The MLflow run that tracked {summary.title}"
+                )
+                self._safely(
+                    name,
                     create_link_artifact,
                     link=url,
                     link_text=text,
                     key=self.keys[name],
                     description=description,
                 )
-                self._safely(name, link)
 
-    def _safely(self, what: str, call: Any) -> Any:
+    def _safely(self, what: str, create: Callable[..., Any], **arguments: Any) -> Any:
         try:
-            return call()
+            return create(**arguments)
         except Exception as exc:
             if not self._warned:
                 self._log.warning(
@@ -393,56 +348,46 @@ class RunArtifacts:
             return None
 
 
+def _ui_description(url: str, created: bool | None) -> str:
+    """The Spark UI link artifact's description: how long the link will work."""
+    if "/history/" in url:
+        return "The Spark History Server page of the training's application."
+    if created:
+        return (
+            "The driver's live Spark UI: it went away when the task stopped the session; "
+            "configure a History Server (SparkCluster.history_server_url) for a lasting link."
+        )
+    return "The driver's live Spark UI: reachable while the flow run's Spark session lives."
+
+
 class TrainingReport:
     """What one task run says about its training, from launch to end: the summary, and the
-    artifacts when there is a recorder (None: no artifacts).
+    artifacts (keyed by ``artifact_key`` or the task's name; none with ``artifacts=False``).
 
     Args:
-        recorder: the run's artifact recorder, or None.
-        timeout_seconds: the task's Prefect timeout (its expiry arrives as a cancellation).
+        ctx: the task run's TaskRunContext, or None.
+        logger: the task run's logger.
+        artifact_key: the artifacts' key prefix, or None.
+        artifacts: whether to write artifacts.
+
+    Raises:
+        ConfigError: ``artifact_key`` is not a valid Prefect artifact key.
     """
 
-    def __init__(
-        self,
-        recorder: RunArtifacts | None,
-        timeout_seconds: float | None,
-        logger: Logger,
-        title: str = "training",
-    ) -> None:
-        self.recorder = recorder
-        self._timeout_seconds = timeout_seconds
+    def __init__(self, ctx: Any, logger: Logger, artifact_key: str | None, artifacts: bool) -> None:
+        task_name = ctx.task.name if ctx is not None else "run_torch_distributor"
+        self._title = ctx.task_run.name if ctx is not None else task_name
+        prefix = (
+            key_from_name(task_name) if artifact_key is None else check_artifact_key(artifact_key)
+        )
+        description = f"Training progress of {self._title} (rank 0's report(progress=...))"
+        self.recorder = RunArtifacts(prefix, logger, description) if artifacts else None
+        # The task's Prefect timeout: its expiry arrives as a cancellation.
+        self._timeout_seconds = ctx.task.timeout_seconds if ctx is not None else None
         self._log = logger
-        self._title = title
         self._session: dict[str, Any] = {}
         self._started = time.monotonic()
-        self.summary: RunSummary | None = None
-
-    @classmethod
-    def for_task(
-        cls, ctx: Any, logger: Logger, artifact_key: str | None, artifacts: bool
-    ) -> TrainingReport:
-        """The report of the current task run (``ctx``: its TaskRunContext, or None):
-        artifacts keyed by ``artifact_key`` or the task's name, none with ``artifacts=False``.
-
-        Raises:
-            ConfigError: ``artifact_key`` is not a valid Prefect artifact key.
-        """
-        task_name = ctx.task.name if ctx is not None else "run_torch_distributor"
-        run_name = ctx.task_run.name if ctx is not None else task_name
-        prefix = (
-            check_artifact_key(artifact_key)
-            if artifact_key is not None
-            else key_from_name(task_name)
-        )
-        recorder = (
-            RunArtifacts(
-                prefix, logger, f"Training progress of {run_name} (rank 0's report(progress=...))"
-            )
-            if artifacts
-            else None
-        )
-        timeout = ctx.task.timeout_seconds if ctx is not None else None
-        return cls(recorder, timeout, logger, run_name)
+        self.summary: RunSummary  # made by start()
 
     def on_event(self, event: Any) -> None:
         """The run's phase events: the session's ids, once ready."""
@@ -459,14 +404,7 @@ class TrainingReport:
             mode,
             f"; artifacts {self.recorder.prefix}-*" if self.recorder is not None else "",
         )
-        self.summary = RunSummary(
-            title=self._title,
-            status="running",
-            num_processes=num_processes,
-            mode=mode,
-            use_gpu=use_gpu,
-            duration_s=0.0,
-        )
+        self.summary = RunSummary(self._title, "running", num_processes, mode, use_gpu, 0.0)
         self._started = time.monotonic()
         if self.recorder is not None:
             self.recorder.start()
@@ -474,8 +412,14 @@ class TrainingReport:
     def failed(self, exc: BaseException) -> None:
         """The launch raised ``exc``: say how it ended."""
         summary = self.summary
-        assert summary is not None, "start() first"
-        summary.status, summary.error = describe_error(exc, self._timeout_seconds)
+        outcome = outcome_of(exc)
+        summary.status, summary.error = outcome.state.value.replace("_", " "), outcome.message
+        if isinstance(exc, asyncio.CancelledError) and self._timeout_seconds is not None:
+            summary.status = "timed out"
+            summary.error = (
+                f"the task ran past its timeout_seconds={self._timeout_seconds:g}; the "
+                "training was stopped and every process of the run ended"
+            )
         summary.note_attempts(getattr(exc, "attempts", ()))
         summary.duration_s = time.monotonic() - self._started
         summary.app_id, summary.ui_url = self._session.get("app_id"), self._session.get("ui_url")
@@ -495,7 +439,6 @@ class TrainingReport:
         """The training completed; ``where``: where rank 0's value went. Artifacts that
         cannot be written are a warning: a retry would train the finished training again."""
         summary = self.summary
-        assert summary is not None, "start() first"
         summary.complete(result, where)
         if self.recorder is not None:
             created = self._session.get("created")
@@ -515,17 +458,3 @@ class TrainingReport:
             summary.final_metrics or "none reported",
         )
         return summary
-
-
-def ui_description(url: str | None, created: bool | None) -> str:
-    """The Spark UI link artifact's description: how long the link will work."""
-    if url is None:
-        return ""
-    if "/history/" in url:
-        return "The Spark History Server page of the training's application."
-    if created:
-        return (
-            "The driver's live Spark UI: it went away when the task stopped the session; "
-            "configure a History Server (SparkCluster.history_server_url) for a lasting link."
-        )
-    return "The driver's live Spark UI: reachable while the flow run's Spark session lives."

@@ -139,8 +139,6 @@ def load_block(kind: type[Block], name: str, argument: str) -> Any:
     Raises:
         ConfigError: no such block (naming ``argument``).
     """
-    from sparktorch_ops.errors import ConfigError
-
     try:
         return kind.load(name)
     except ValueError as exc:
