@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from sparktorch_ops.airflow.errors import TorchTrainingError
     from sparktorch_ops.airflow.links import MlflowRunLink, SparkUILink
-    from sparktorch_ops.airflow.operator import TorchDistributorOperator, TorchTrainingError
+    from sparktorch_ops.airflow.operator import TorchDistributorOperator
     from sparktorch_ops.airflow.storage import (
         ResultExistsError,
         ResultIntegrityError,
@@ -34,7 +35,7 @@ _HOMES = {
     "MlflowRunLink": "sparktorch_ops.airflow.links",
     "SparkUILink": "sparktorch_ops.airflow.links",
     "TorchDistributorOperator": "sparktorch_ops.airflow.operator",
-    "TorchTrainingError": "sparktorch_ops.airflow.operator",
+    "TorchTrainingError": "sparktorch_ops.airflow.errors",
     "load_result": "sparktorch_ops.airflow.storage",
     "ResultExistsError": "sparktorch_ops.airflow.storage",
     "ResultIntegrityError": "sparktorch_ops.airflow.storage",

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
-from airflow.providers.common.compat.sdk import AirflowException, AirflowFailException, conf
+from airflow.providers.common.compat.sdk import AirflowFailException, conf
 from airflow.sdk import BaseOperator
 
 from sparktorch_ops import events, options
@@ -25,8 +25,9 @@ from sparktorch_ops.airflow.connection import (
     session_settings,
 )
 from sparktorch_ops.airflow.durable import DurableTraining
+from sparktorch_ops.airflow.errors import airflow_error
 from sparktorch_ops.airflow.links import MlflowRunLink, SparkUILink
-from sparktorch_ops.errors import ConfigError, SparkTorchError, outcome_of
+from sparktorch_ops.errors import ConfigError, SparkTorchError
 from sparktorch_ops.job import CancelToken, build_job
 from sparktorch_ops.options import DEFAULT_MAX_RESULT_BYTES
 from sparktorch_ops.spark.dataframe import DataInput
@@ -37,23 +38,6 @@ if TYPE_CHECKING:
 
     from sparktorch_ops.driver.durable import TrainingTry
     from sparktorch_ops.results import MetricRecord, RunResult
-
-
-class TorchTrainingError(AirflowException):
-    """Training failed, timed out or was cancelled; Airflow may retry the task.
-
-    The message names the failing rank and ends with its traceback tail, so the task's failure
-    in the Airflow UI says why.
-    """
-
-
-def airflow_error(exc: SparkTorchError) -> AirflowException:
-    """The core's error as Airflow's: bad input fails the task without a retry
-    (``AirflowFailException``), anything else may be retried (:class:`TorchTrainingError`)."""
-    outcome = outcome_of(exc)
-    if not outcome.retryable:
-        return AirflowFailException(f"sparktorch_ops: {outcome.message}")
-    return TorchTrainingError(outcome.message)
 
 
 @options.documented("operator")
@@ -259,30 +243,9 @@ class TorchDistributorOperator(DurableTraining, BaseOperator):
         return str(self.result_location or storage.default_result_location())
 
     def _xcom_summary(self, result: RunResult, ti: Any) -> dict[str, Any]:
-        """The XCom of a finished training: rank 0's value inline, or stored under the result
-        location (a write that fails is a :class:`TorchTrainingError`), and its summary."""
         self.mlflow_run_link = result.mlflow_run_url or ""
         location = self._result_location()
-        try:
-            fields = storage.value_fields(
-                result.value,
-                location=location,
-                key=storage.result_key(*storage.task_ids(ti), ti.try_number),
-                max_bytes=self.max_xcom_value_bytes,
-            )
-            if "value_uri" in fields:
-                self.log.info(
-                    "sparktorch_ops: rank 0's value (%s) written to %s (%d bytes)",
-                    fields["value_stored_because"],
-                    fields["value_uri"],
-                    fields["value_size"],
-                )
-            return {**fields, **result.summary()}
-        except Exception as exc:
-            raise TorchTrainingError(
-                f"training succeeded but rank 0's value could not be written to "
-                f"{location!r}: {type(exc).__name__}: {exc}"
-            ) from exc
+        return storage.xcom_summary(result, ti, location, self.max_xcom_value_bytes, self.log)
 
     def _data_input(self) -> DataInput | None:
         """The rendered ``input_*`` arguments as the core's input, or None."""

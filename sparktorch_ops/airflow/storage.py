@@ -27,11 +27,14 @@ import re
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
 from sparktorch_ops.errors import ConfigError, SparkTorchError
+
+if TYPE_CHECKING:
+    from sparktorch_ops.results import RunResult
 
 DEFAULT_MAX_XCOM_VALUE_BYTES = 48 * 1024
 CONFIG_SECTION = "sparktorch_ops"
@@ -367,3 +370,32 @@ def load_result(
     if fmt == "text":
         return data.decode("utf-8")
     return cloudpickle.loads(data)
+
+
+def xcom_summary(
+    result: RunResult, ti: Any, location: str, max_bytes: int | None, log: Any
+) -> dict[str, Any]:
+    """The XCom of a finished training: rank 0's value inline, or stored under ``location``
+    (a write that fails is a :class:`TorchTrainingError`), and the run's summary."""
+    from sparktorch_ops.airflow.errors import TorchTrainingError
+
+    try:
+        fields = value_fields(
+            result.value,
+            location=location,
+            key=result_key(*task_ids(ti), ti.try_number),
+            max_bytes=max_bytes,
+        )
+    except Exception as exc:
+        raise TorchTrainingError(
+            f"training succeeded but rank 0's value could not be written to "
+            f"{location!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    if "value_uri" in fields:
+        log.info(
+            "sparktorch_ops: rank 0's value (%s) written to %s (%d bytes)",
+            fields["value_stored_because"],
+            fields["value_uri"],
+            fields["value_size"],
+        )
+    return {**fields, **result.summary()}

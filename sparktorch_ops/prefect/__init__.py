@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from sparktorch_ops.prefect.artifacts import RunArtifacts, RunSummary, artifact_keys
 from sparktorch_ops.prefect.blocks import MlflowServer, SparkCluster
-from sparktorch_ops.prefect.task import (
+from sparktorch_ops.prefect.task import run_torch_distributor
+from sparktorch_ops.prefect.task_run import (
     TASK_RUN_RESULT_KEY,
     TaskRunResultKey,
     retry_unless_bad_input,
-    run_torch_distributor,
 )
 from sparktorch_ops.spark.session import validate_master
 
