@@ -23,6 +23,11 @@ the master is that Spark Connect URL (``sc://host:port/;user_id=...;token=...;us
 
 The token is part of the master URL: log it only through
 :func:`sparktorch_ops.spark.session.redact_connect_url`.
+
+Read here rather than through the provider's hooks: the provider is not part of the
+``[airflow]`` extra (its dependency ``pyspark-client`` overwrites pyspark's own files), and its
+Connect URL keeps a ``/`` of the token unquoted, which pyspark then refuses. The tests check
+that both connection types read exactly as the provider reads them, that one ``/`` aside.
 """
 
 from __future__ import annotations
@@ -65,60 +70,17 @@ class SparkConnection:
         )
 
 
-def master_from_connection(conn_type: str | None, host: str | None, port: int | None) -> str:
-    """The master URL, exactly as the Spark provider's ``SparkSubmitHook`` builds it."""
-    if conn_type == "spark" and host and ("://" in host or not port):
-        master = host
-    else:
-        master = f"{conn_type}://{host or ''}"
-    return f"{master}:{port}" if port else master
-
-
-def connect_url_from_connection(
-    host: str, port: int | None, login: str | None, password: str | None, use_ssl: Any
-) -> str:
-    """The Spark Connect URL, exactly as the Spark provider's ``SparkConnectHook`` builds it,
-    except that a ``/`` in the login or password is quoted (``%2F``) so that pyspark can read it.
-
-    Args:
-        host: the connection's host (``sc://`` is added when it has no scheme).
-        port: the connection's port, appended when set.
-        login: the user id (``user_id``), when set.
-        password: the token (``token``), when set.
-        use_ssl: the extra's ``use_ssl``; None leaves it out.
-
-    Raises:
-        ValueError: ``host`` has a path (as the provider refuses it).
-    """
-    if "://" not in host:
-        host = f"sc://{host}"
-    if port:
-        host = f"{host}:{port}"
-    url = urlparse(host)
-    if url.path:
-        raise ValueError(f"the path {url.path!r} is not supported in a Spark Connect URL")
-    # One departure: "/" is quoted too. The provider keeps it, and pyspark then reads the
-    # parameters as a path and refuses the URL, quoting the token in its error.
-    params = []
-    if login:
-        params.append(f"user_id={quote(login, safe='')}")
-    if password:
-        params.append(f"token={quote(password, safe='')}")
-    if use_ssl is not None:
-        params.append(f"use_ssl={quote(str(use_ssl), safe='')}")
-    return urlunparse(("sc", url.netloc, "/", ";".join(params), "", url.fragment))
-
-
-def spark_conf_from_extra(extra: Mapping[str, Any]) -> dict[str, str]:
+def _spark_conf(extra: Mapping[str, Any]) -> dict[str, str]:
     """The ``spark.*`` keys of a connection's extra, values as strings."""
     return {
         str(k): str(v) for k, v in extra.items() if str(k).startswith("spark.") and v is not None
     }
 
 
-def conf_from_extra(extra: Mapping[str, Any], log: Any) -> dict[str, str]:
-    """Spark settings from the connection's extra (provider keys mapped, ``spark.*`` kept)."""
-    conf = spark_conf_from_extra(extra)
+def _submit_conf(extra: Mapping[str, Any], log: Any) -> dict[str, str]:
+    """Spark settings from a ``spark`` connection's extra (``SparkSubmitHook``'s keys mapped,
+    ``spark.*`` kept)."""
+    conf = _spark_conf(extra)
     if extra.get("queue"):
         conf.setdefault("spark.yarn.queue", str(extra["queue"]))
     if extra.get("namespace"):
@@ -167,8 +129,13 @@ def resolve_connection(conn_id: str, log: Any) -> SparkConnection:
             f"conn_id: the connection {conn_id!r} has no host; put the master URL there "
             "(spark://host, yarn, k8s://https://host, local[4])"
         )
-    master = master_from_connection(conn.conn_type, conn.host, conn.port)
-    return SparkConnection(master, conf_from_extra(conn.extra_dejson, log), conn_id)
+    # As SparkSubmitHook: a spark connection's host is the master, else the URI's scheme is.
+    if conn.conn_type == "spark" and conn.host and ("://" in conn.host or not conn.port):
+        master = conn.host
+    else:
+        master = f"{conn.conn_type}://{conn.host or ''}"
+    master = f"{master}:{conn.port}" if conn.port else master
+    return SparkConnection(master, _submit_conf(conn.extra_dejson, log), conn_id)
 
 
 def _connect_connection(conn_id: str, conn: Any, log: Any) -> SparkConnection:
@@ -179,12 +146,22 @@ def _connect_connection(conn_id: str, conn: Any, log: Any) -> SparkConnection:
             "Connect server's host there (and its port, default 15002)"
         )
     extra = conn.extra_dejson or {}
-    try:
-        master = connect_url_from_connection(
-            conn.host, conn.port, conn.login, conn.password, extra.get("use_ssl")
+    host = conn.host if "://" in conn.host else f"sc://{conn.host}"
+    url = urlparse(f"{host}:{conn.port}" if conn.port else host)
+    if url.path:
+        raise ValueError(
+            f"conn_id: the Spark Connect connection {conn_id!r}: the path {url.path!r} is not "
+            "supported in a Spark Connect URL"
         )
-    except ValueError as exc:
-        raise ValueError(f"conn_id: the Spark Connect connection {conn_id!r}: {exc}") from None
+    given = {
+        "user_id": conn.login or None,
+        "token": conn.password or None,
+        "use_ssl": extra.get("use_ssl"),
+    }
+    # quote(safe=""): unlike the provider, a "/" too, which pyspark would take for a path (and
+    # refuse the URL, quoting the token in its error).
+    params = ";".join(f"{k}={quote(str(v), safe='')}" for k, v in given.items() if v is not None)
+    master = urlunparse(("sc", url.netloc, "/", params, "", url.fragment))
     ignored = sorted(key for key in ("token", "user_id") if key in extra)
     if ignored:
         log.warning(
@@ -194,7 +171,7 @@ def _connect_connection(conn_id: str, conn: Any, log: Any) -> SparkConnection:
             " and ".join(ignored),
             conn_id,
         )
-    return SparkConnection(master, spark_conf_from_extra(extra), conn_id)
+    return SparkConnection(master, _spark_conf(extra), conn_id)
 
 
 def session_settings(

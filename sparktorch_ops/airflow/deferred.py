@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any, NoReturn
@@ -35,6 +34,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from sparktorch_ops.detached.handle import MAX_POLL_S, RunHandle
 from sparktorch_ops.detached.rundir import RunDirectory
+from sparktorch_ops.wire.channel import backoff
 
 #: Seconds between the trigger's cancel at the deadline and Airflow's own trigger timeout.
 TIMEOUT_MARGIN_S = 60.0
@@ -75,10 +75,10 @@ class TorchTrainingTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Look at the run directory until the training has ended; log its lines meanwhile."""
         handle = await asyncio.to_thread(RunHandle, self.run_dir)
-        after, pause, timed_out = 0, 0.2, False
+        after, pauses, timed_out = 0, backoff(0.2, self.poll_interval), False
         while True:
             status = await asyncio.to_thread(handle.status)
-            after = await asyncio.to_thread(self._forward_logs, handle, after)
+            after = await asyncio.to_thread(handle.forward_logs, self.log, after)
             past = self.deadline is not None and time.time() >= self.deadline
             if status.done or (timed_out and past):
                 yield TriggerEvent(
@@ -94,16 +94,7 @@ class TorchTrainingTrigger(BaseTrigger):
                 await asyncio.to_thread(handle.cancel, "the Airflow task's execution_timeout")
                 timed_out = True
                 self.deadline = time.time() + _CANCEL_WAIT_S  # then it reports whatever it is
-            await asyncio.sleep(pause)
-            pause = min(pause * 1.5, self.poll_interval)
-
-    def _forward_logs(self, handle: RunHandle, after: int) -> int:
-        """Log the run's lines from chunk ``after`` on, each at its own level."""
-        for chunk, record in handle.directory.read("logs", after):
-            after = max(after, chunk)
-            level = logging.getLevelName(str(record.get("level", "INFO")))
-            self.log.log(level if isinstance(level, int) else logging.INFO, "%s", record["line"])
-        return after
+            await asyncio.sleep(next(pauses))
 
     async def on_kill(self) -> None:
         """The deferred task was marked failed or success, or cleared: stop the training."""

@@ -189,46 +189,20 @@ def _columns(schema: pa.Schema, names: list[str] | None, style: Style) -> list[_
     return columns
 
 
-# Arrow's own to_numpy() imports pandas (~40 MB per rank): primitive buffers are read directly.
-_DTYPES = {
-    "int8": np.int8,
-    "int16": np.int16,
-    "int32": np.int32,
-    "int64": np.int64,
-    "uint8": np.uint8,
-    "uint16": np.uint16,
-    "uint32": np.uint32,
-    "uint64": np.uint64,
-    "halffloat": np.float16,
-    "float": np.float32,
-    "double": np.float64,
-}
-
-
-def _bits(buffer: pa.Buffer | None, offset: int, count: int) -> np.ndarray:
-    """``count`` bits (Arrow's little-endian bitmaps) from bit ``offset`` on, as booleans."""
-    if count == 0 or buffer is None:
-        return np.zeros(count, dtype=np.bool_)
-    first, last = offset // 8, (offset + count + 7) // 8
-    raw = np.frombuffer(buffer, dtype=np.uint8, count=last - first, offset=first)
-    skip = offset - first * 8
-    return np.unpackbits(raw, bitorder="little")[skip : skip + count].view(np.bool_)
-
-
 def _values(array: pa.Array) -> np.ndarray:
-    """A primitive array's values as numpy: a read-only view of its buffer (booleans: a copy).
+    """A primitive array's values as numpy: a read-only view over DLPack (booleans: a copy).
 
-    Null slots hold whatever the buffer holds there.
+    Null slots hold whatever the buffer holds there. Not ``to_numpy()``: it imports pandas
+    (~40 MB and ~1 s per rank and loader worker), as does any Python value handed to pyarrow
+    (a fill scalar, ``to_pandas_dtype``); DLPack, ``is_valid`` and ``cast`` do not.
     """
-    buffers = array.buffers()
-    if pa.types.is_boolean(array.type):
-        return _bits(buffers[1], array.offset, len(array))
-    dtype = np.dtype(_DTYPES[str(array.type)])
-    if len(array) == 0 or buffers[1] is None:
-        return np.zeros(len(array), dtype=dtype)
-    return np.frombuffer(
-        buffers[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize
-    )
+    if pa.types.is_boolean(array.type):  # bit-packed, which DLPack cannot carry
+        return _values(array.cast(pa.uint8())).view(np.bool_)
+    if array.null_count:  # DLPack refuses a validity bitmap: the same values without it
+        array = pa.Array.from_buffers(
+            array.type, len(array), [None, array.buffers()[1]], offset=array.offset
+        )
+    return np.from_dlpack(array)
 
 
 def _numbers(array: pa.Array, name: str, floating: bool) -> np.ndarray:
@@ -241,7 +215,7 @@ def _numbers(array: pa.Array, name: str, floating: bool) -> np.ndarray:
                 "needs a number in every row; fill or filter them"
             )
         values = values.copy()  # nulls become NaN, as with pandas
-        values[~_bits(array.buffers()[0], array.offset, len(array))] = np.nan
+        values[~_values(array.is_valid())] = np.nan
     return values
 
 

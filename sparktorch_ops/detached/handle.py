@@ -8,6 +8,7 @@ flow). Nothing here talks to the run's driver: it reads what the driver wrote
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import time
@@ -26,6 +27,7 @@ from sparktorch_ops.detached.rundir import (
 )
 from sparktorch_ops.errors import SparkTorchError
 from sparktorch_ops.results import Attempt, MetricRecord, RunResult
+from sparktorch_ops.wire.channel import backoff
 
 #: How often :meth:`RunHandle.wait` and ``logs(follow=True)`` look, at most (they start
 #: faster and back off to this).
@@ -142,15 +144,14 @@ class RunHandle:
                 would have raised it.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 0.1
+        pauses = backoff(0.1, MAX_POLL_S)
         while True:
             status = self.status()
             if status.done:
                 return self.result()
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"the run in {self.run_dir} is still {status.state}")
-            time.sleep(pause)
-            pause = min(pause * 1.5, MAX_POLL_S)
+            time.sleep(next(pauses))
 
     def result(self) -> RunResult:
         """The ended run's result (or its error, raised).
@@ -204,6 +205,15 @@ class RunHandle:
             if not follow or done:
                 return
             time.sleep(poll)
+
+    def forward_logs(self, log: logging.Logger | Any, after: int = 0) -> int:
+        """Log the run's lines from chunk ``after`` on to ``log``, each at its own level; the
+        last chunk read (the next call's ``after``)."""
+        for chunk, record in self.directory.read("logs", after):
+            after = max(after, chunk)
+            level = logging.getLevelName(str(record.get("level", "INFO")))
+            log.log(level if isinstance(level, int) else logging.INFO, "%s", record["line"])
+        return after
 
     def cancel(self, reason: str = "cancelled through its run directory") -> None:
         """Ask the run to stop; it ends as a cancelled run (nothing of it left running).

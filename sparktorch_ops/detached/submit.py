@@ -41,6 +41,7 @@ from sparktorch_ops.results import MetricRecord
 from sparktorch_ops.spark.dataframe import DataInput
 from sparktorch_ops.spark.session import SparkSettings
 from sparktorch_ops.spec import LaunchSpec
+from sparktorch_ops.wire.channel import backoff
 from sparktorch_ops.wire.env import RUNS_ENV
 
 #: Seconds a submit waits for a run asked to stop (a cleared task's) to end before starting
@@ -350,25 +351,20 @@ def launch_detached(job: TrainingJob) -> Any:
 
 def _follow(job: TrainingJob, handle: RunHandle) -> Any:
     """Wait for ``handle``'s run, forwarding its lines and records to ``job``'s callbacks."""
-    import time
-
     log = job.options.logger or logging.getLogger("sparktorch_ops")
-    seen = {"logs": 0, "metrics": 0}
-    pause = 0.1
+    logs = metrics = 0
+    pauses = backoff(0.1, 1.0)
     cancelled = False
     while True:
         done = handle.status().done
-        for chunk, record in handle.directory.read("logs", seen["logs"]):
-            seen["logs"] = max(seen["logs"], chunk)
-            log.log(logging.getLevelName(record.get("level", "INFO")), "%s", record["line"])
+        logs = handle.forward_logs(log, logs)
         if job.options.on_metrics is not None:
-            for chunk, record in handle.directory.read("metrics", seen["metrics"]):
-                seen["metrics"] = max(seen["metrics"], chunk)
+            for chunk, record in handle.directory.read("metrics", metrics):
+                metrics = max(metrics, chunk)
                 job.options.on_metrics(MetricRecord(**record))
         if done:
             return handle.result()
         if job.cancel_token.cancelled and not cancelled:
             handle.cancel(job.cancel_token.reason or "cancelled")
             cancelled = True
-        time.sleep(pause)
-        pause = min(pause * 1.5, 1.0)
+        time.sleep(next(pauses))

@@ -7,8 +7,10 @@ becomes its parent), and logs to it from the driver only:
 * params: ``num_processes``, ``mode``, ``use_gpu``, ``max_restarts``, the training function or
   script, its arguments as far as they are loggable, ``torchrun_args``;
 * every ``sparktorch_ops.report()`` record as metrics at its step (rank 0's; with
-  ``mlflow_all_ranks=True`` every rank's, other ranks' keys suffixed ``/rank<N>``), sent in
-  batches from a background thread so a slow tracking server never slows the run;
+  ``mlflow_all_ranks=True`` every rank's, other ranks' keys suffixed ``/rank<N>``), logged
+  with MLflow's asynchronous logging (``synchronous=False``) so a slow tracking server never
+  slows the run (a report waits only while a thousand are unsent); MLflow merges what is queued
+  into fewer requests when ``MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS`` is set;
 * tags: the run id, the Spark application id and UI link, and whatever the orchestrator adds
   (Airflow's dag/run/task, Prefect's flow run); at the end the outcome, ``duration_s`` and
   the run's status (``FINISHED``, ``FAILED`` or ``KILLED`` for a cancelled run).
@@ -29,9 +31,9 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,9 +45,11 @@ from sparktorch_ops.events import ATTEMPT_STARTED, SESSION_READY
 ATTEMPTS_TAG = "sparktorch_ops.attempts"
 
 _PARAM_VALUE_LIMIT = 6000  # MLflow's limit on a param value
-_BATCH_LIMIT = 1000  # MLflow's limit on metrics per log_batch
-_PARAMS_PER_BATCH = 100  # and on params
-_FLUSH_S = 0.5
+_MAX_PENDING = 1000  # MLflow operations in flight before a report waits for the oldest
+# MLflow keeps one async queue per tracking URI in a process, and set_terminated shuts it down
+# and starts it again: a batch queued by one run while another ends could be lost or stranded,
+# so queueing and ending take turns.
+_QUEUE_TURNS = threading.Lock()
 
 
 def loggable_params(train: str, args: Any, kwargs: Mapping[str, Any], spec: Any) -> dict[str, str]:
@@ -132,13 +136,13 @@ class MlflowTracker:
         # run, which takes no replayed records (they belong to another run's curve).
         self._logged: dict[str, set[int]] | None = None
         self.replayed_logged = 0  # replayed metrics the run lacked, logged by this try
-        # The steps this tracker logged, by metric (its sender thread's), and a copy of them as
-        # a later attempt started: that attempt trains again from its checkpoint, and a step
-        # it reports again is not logged twice.
+        # The steps this tracker logged, by metric, and a copy of them as a later attempt
+        # started: that attempt trains again from its checkpoint, and a step it reports again
+        # is not logged twice. Reports and events come from several threads: _lock.
         self._sent: dict[str, set[int]] = {}
         self._before_attempt: dict[str, set[int]] = {}
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._pending: deque[Any] = deque()  # MLflow's RunOperations, oldest first
+        self._lock = threading.Lock()
         self._started = 0.0
 
     def _experiment_id(self, name: str | None) -> str:
@@ -172,12 +176,11 @@ class MlflowTracker:
         self.url = run_url(self.tracking_uri, self.experiment_id, self.run_id)
         self._started = time.monotonic()
         try:
-            items = [Param(k, v) for k, v in params.items()]
-            for start in range(0, len(items), _PARAMS_PER_BATCH):
-                self.client.log_batch(self.run_id, params=items[start : start + _PARAMS_PER_BATCH])
+            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
         except Exception as exc:
             # Nothing of the training started: end the MLflow run instead of leaving it RUNNING.
-            self._call(self.client.set_terminated, self.run_id, status="FAILED")
+            with _QUEUE_TURNS:
+                self._call(self.client.set_terminated, self.run_id, status="FAILED")
             raise ConfigError(
                 "mlflow_experiment", f"MLflow refused the run's params: {_first_line(exc)}"
             ) from exc
@@ -219,16 +222,11 @@ class MlflowTracker:
         self.experiment_id = str(run.info.experiment_id)
         self.url = run_url(self.tracking_uri, self.experiment_id, self.run_id)
         self._started = time.monotonic()
-        for key, value in tags.items():
-            self._call(self.client.set_tag, run_id, key, value)
+        self.set_tags(tags)
         self._begin("continued ")
         return run_id
 
     def _begin(self, how: str) -> None:
-        self._thread = threading.Thread(
-            target=self._send, name=f"mlflow-{self.run_id[:8]}", daemon=True
-        )
-        self._thread.start()
         self.log.info(
             "sparktorch_ops: %sMLflow run %s in experiment %s%s",
             how,
@@ -238,17 +236,36 @@ class MlflowTracker:
         )
 
     def on_metrics(self, record: Any) -> None:
-        """A ``report()`` record: queued for the sender thread (never blocks the run)."""
+        """A ``report()`` record: its new metrics queued for MLflow's async logging."""
         if record.rank != 0 and not self.all_ranks:
             return
-        suffix = "" if record.rank == 0 else f"/rank{record.rank}"
-        self._queue.put((record, suffix))
+        with self._lock:
+            metrics = self._metrics_of(record, "" if record.rank == 0 else f"/rank{record.rank}")
+        if metrics:
+            self._log_async(self.client.log_batch, self.run_id, metrics=metrics)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         """Tags learnt during the run (the Spark application and UI)."""
         for key, value in tags.items():
             if value is not None:
-                self._queue.put(("tag", key, str(value)))
+                self._log_async(self.client.set_tag, self.run_id, key, str(value))
+
+    def _log_async(self, method: Any, *args: Any, **kwargs: Any) -> None:
+        with _QUEUE_TURNS:
+            operations = self._call(method, *args, **kwargs, synchronous=False)
+        if operations is None:
+            return
+        with self._lock:
+            self._pending.append(operations)
+            oldest = self._pending.popleft() if len(self._pending) > _MAX_PENDING else None
+        if oldest is not None:
+            self._wait(oldest)
+
+    def _wait(self, operations: Any) -> None:
+        try:
+            operations.wait()
+        except Exception as exc:
+            self.log.warning("sparktorch_ops: MLflow could not log to run %s: %s", self.run_id, exc)
 
     def on_event(self, event: Any) -> None:
         """A phase event of the run: the session's, once ready, tags the run; a later
@@ -256,7 +273,8 @@ class MlflowTracker:
         number = event.detail.get("attempt", 1) if event.name == ATTEMPT_STARTED else 1
         if number > 1:
             self.set_tags({ATTEMPTS_TAG: number})
-            self._queue.put(("attempt",))
+            with self._lock:
+                self._before_attempt = {k: set(v) for k, v in self._sent.items()}
         if event.name == SESSION_READY:
             self.set_tags(
                 {
@@ -278,9 +296,10 @@ class MlflowTracker:
 
         if not self.run_id:
             return
-        self._queue.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout=60)
+        with self._lock:
+            pending, self._pending = self._pending, deque()
+        for operations in pending:
+            self._wait(operations)
         if self.replayed_logged:
             self.log.info(
                 "sparktorch_ops: %d metric values an earlier try reported were missing from "
@@ -303,37 +322,10 @@ class MlflowTracker:
                 self.run_id, "duration_s", round(time.monotonic() - self._started, 3)
             )
             if status is not None:
-                self.client.set_terminated(self.run_id, status=status)
+                with _QUEUE_TURNS:
+                    self.client.set_terminated(self.run_id, status=status)
         except Exception as exc:
             self.log.warning("sparktorch_ops: could not end MLflow run %s: %s", self.run_id, exc)
-
-    def _send(self) -> None:
-        """Sender thread: batches of metrics (and tags) until ``finish`` queues None."""
-        done = False
-        while not done:
-            items: list[Any] = [self._queue.get()]
-            deadline = time.monotonic() + _FLUSH_S
-            while len(items) < _BATCH_LIMIT and time.monotonic() < deadline:
-                try:
-                    items.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
-                except queue.Empty:
-                    break
-            metrics = []
-            for item in items:
-                if item is None:
-                    done = True
-                elif item[0] == "tag":
-                    self._call(self.client.set_tag, self.run_id, item[1], item[2])
-                elif item[0] == "attempt":
-                    self._before_attempt = {k: set(v) for k, v in self._sent.items()}
-                else:
-                    metrics.extend(self._metrics_of(*item))
-            for start in range(0, len(metrics), _BATCH_LIMIT):
-                self._call(
-                    self.client.log_batch,
-                    self.run_id,
-                    metrics=metrics[start : start + _BATCH_LIMIT],
-                )
 
     def _metrics_of(self, record: Any, suffix: str) -> list[Any]:
         """A record's numbers as MLflow metrics; of a replayed record, only the steps a
@@ -363,11 +355,12 @@ class MlflowTracker:
             metrics.append(Metric(name, float(value), int(record.time * 1000), record.step))
         return metrics
 
-    def _call(self, method: Any, *args: Any, **kwargs: Any) -> None:
+    def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            method(*args, **kwargs)
+            return method(*args, **kwargs)
         except Exception as exc:  # tracking must never fail the training
             self.log.warning("sparktorch_ops: MLflow %s failed: %s", method.__name__, exc)
+            return None
 
 
 def _first_line(exc: BaseException) -> str:

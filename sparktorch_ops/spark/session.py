@@ -327,7 +327,8 @@ def _connect_session(settings: SparkSettings, log: Any) -> SessionHandle:
 
     url = str(settings.master)
     log.info("sparktorch_ops: connecting to Spark Connect at %s", redact_connect_url(url))
-    _check_reachable(url)
+    channel = _channel(url)
+    _check_reachable(_endpoint(channel))
     builder = ConnectSession.builder.remote(url)
     for key, value in settings.conf.items():
         builder = builder.config(key, value)
@@ -336,7 +337,7 @@ def _connect_session(settings: SparkSettings, log: Any) -> SessionHandle:
         version = session.version  # the first call to the server: fails here if unreachable
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        first = redact_connect_url(first).replace(_token_of(url) or "\0", "***")
+        first = redact_connect_url(first).replace(channel.token or "\0", "***")
         raise ConfigError(
             "spark_master",
             f"could not open a Spark Connect session at {redact_connect_url(url)}: "
@@ -346,23 +347,38 @@ def _connect_session(settings: SparkSettings, log: Any) -> SessionHandle:
     return SessionHandle(session, created=True, stop_when_done=settings.stop_created_session)
 
 
-CONNECT_DEFAULT_PORT = 15002
 _CONNECT_PROBE_S = 10.0
 
 
-def _check_reachable(url: str) -> None:
+def _channel(url: str) -> Any:
+    """pyspark's own reading of a Connect URL (host, port, token, ...).
+
+    Raises:
+        ConfigError: naming spark_master, when pyspark refuses the URL (the token hidden).
+    """
+    from pyspark.sql.connect.client import DefaultChannelBuilder
+
+    try:
+        return DefaultChannelBuilder(url)
+    except ValueError as exc:
+        raise ConfigError("spark_master", redact_connect_url(str(exc))) from None
+
+
+def _endpoint(channel: Any) -> tuple[str, int]:
+    """The host and port of a pyspark channel builder (its port defaults to 15002)."""
+    return str(channel.host).strip("[]"), int(str(channel.endpoint).rsplit(":", 1)[1])
+
+
+def _check_reachable(endpoint: tuple[str, int]) -> None:
     """Fail fast on a Connect server that cannot be reached: pyspark's client retries a
     refused connection with backoff for many minutes before it gives up.
 
     Raises:
         ConfigError: naming spark_master, when no TCP connection opens within 10 s.
     """
-    hostport = url[len("sc://") :].split("/", 1)[0].split(";", 1)[0]
-    host, _, port = hostport.rpartition(":") if "]" not in hostport[-1:] else (hostport, "", "")
-    if not host or not port.isdigit():
-        host, port = hostport, str(CONNECT_DEFAULT_PORT)
+    host, port = endpoint
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_PROBE_S).close()
+        socket.create_connection(endpoint, timeout=_CONNECT_PROBE_S).close()
     except OSError as exc:
         raise ConfigError(
             "spark_master",
@@ -375,11 +391,6 @@ def redact_connect_url(url: str) -> str:
     """A Connect URL (or text holding one) fit for logs: the ``token`` parameter's value
     hidden."""
     return re.sub(r"(;token=)[^;\s'\"]*", r"\1***", url)
-
-
-def _token_of(url: str) -> str | None:
-    match = re.search(r";token=([^;]*)", url)
-    return match.group(1) if match and match.group(1) else None
 
 
 def _reuse(session: Any, settings: SparkSettings, log: Any) -> None:
@@ -602,9 +613,9 @@ def master_of(sc: SparkContext | Any) -> str | None:
 
 
 def connect_endpoint(session: Any) -> tuple[str, int]:
-    """The host and port a Spark Connect session talks to."""
-    builder = session.client._builder
-    return str(builder.host).strip("[]"), int(str(builder.endpoint).rsplit(":", 1)[1])
+    """The host and port a Spark Connect session talks to (pyspark keeps a session's channel
+    builder private, and a session the caller made comes without its URL)."""
+    return _endpoint(session.client._builder)
 
 
 def connect_server_reachable(session: Any, timeout: float = 3.0) -> bool:

@@ -40,7 +40,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +121,15 @@ def encode_frame(kind: int, payload: bytes) -> bytes:
     if len(payload) > MAX_FRAME:
         raise ValueError(f"frame of {len(payload)} bytes exceeds {MAX_FRAME}")
     return _HEADER.pack(kind, len(payload)) + payload
+
+
+def backoff(first: float, most: float, factor: float = 1.5) -> Iterator[float]:
+    """The pauses of a polling or retry loop: ``first``, then ``factor`` times the last, at
+    most ``most``; endless (the loop decides when to stop)."""
+    pause = first
+    while True:
+        yield pause
+        pause = min(pause * factor, most)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -576,7 +585,7 @@ class ChannelClient:
         """
         host, port = split_address(address)
         deadline = time.monotonic() + timeout
-        delay = 0.05
+        delays = backoff(0.05, 1.0, factor=2)
         while True:
             remaining = deadline - time.monotonic()
             try:
@@ -589,13 +598,13 @@ class ChannelClient:
                 return cls._authenticate(sock, address, secret.encode(), hello, fingerprint)
             except _Retry as why:
                 sock.close()
+                delay = next(delays)
                 if time.monotonic() + delay > deadline:
                     raise ChannelError(
                         f"the driver's channel at {address} did not accept this client within "
                         f"{timeout:g} s ({why})"
                     ) from None
                 time.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 1.0)
             except BaseException:
                 sock.close()
                 raise
