@@ -42,7 +42,6 @@ ORDER = (
     "result",
     "memory",
     "throughput",
-    "fork_ab",
     "dataframe_input",
     "checkpoint",
     "connect_launch",
@@ -84,8 +83,6 @@ def commands(repeats: int, memory_runs: int) -> dict[str, list[str]]:
         "memory": [py, str(BENCH_DIR / "memory.py"), f"--runs={memory_runs}"],
         # paired rounds for a confidence interval: its own default (--repeats), not 5
         "throughput": [py, str(BENCH_DIR / "throughput.py")],
-        # paired sessions (--sessions, its own default), not --repeats
-        "fork_ab": [py, str(BENCH_DIR / "fork_ab.py")],
         "dataframe_input": [py, str(BENCH_DIR / "dataframe_input.py"), "--repeats=3"],
         "checkpoint": [py, str(BENCH_DIR / "checkpoint.py"), f"--repeats={repeats}"],
         "connect_launch": [py, str(BENCH_DIR / "connect_launch.py"), f"--repeats={repeats}"],
@@ -178,7 +175,6 @@ tables give medians and ratios. The jobs run 2 ranks with gloo on CPU unless sta
 | result | `result.py` | rank 0 returns a 256 MiB tensor: ours vs pyspark, local and barrier mode; a control run builds the tensor but returns only its size, so the difference is the transfer |
 | memory | `memory.py` | the driver's RSS over 20 local runs in a row, in a fresh process: what a run adds, and whether it keeps growing |
 | throughput | `throughput.py` | a small CNN, DDP, fixed steps: samples/s (rank 0, steady state) of bare torchrun vs ours, with ranks forked (the default; function and script), with `--start-method=spawn` and with the warm agent off, in paired rounds with a bootstrap CI per ratio; per-step times, page faults, context switches, gc and threads inside the ranks |
-| forked vs fresh rank | `fork_ab.py` | one step of ours' rank and one of a bare torchrun rank in turn (FIFO token, same CPU), same CNN single-threaded: per-step speed ratio with a bootstrap CI; the control pairs bare torchrun with itself |
 | DataFrame input | `dataframe_input.py` | `train_on_dataframe` on a 2M and an 8M row x 32 float32 DataFrame (barrier mode), ranks reading every batch with `partition_loader` or nothing, next to one Spark pass over the rows as Arrow (the floor) and pyspark's `_train_on_dataframe`; where our time goes, phase by phase; rows/s and peak RSS per rank |
 | checkpoint | `checkpoint.py` | `sparktorch_ops.checkpoint` (`save` / `load_latest` on torch.distributed.checkpoint) of 100 MiB and 1000 MiB states: in one process next to `torch.save` / `torch.load`, and on 2 DDP ranks; and a save of the example's `DigitsCNN` next to one training step, as a share of an epoch |
 | sweep DAG | `sweep_dag.py` | `dags/sweep_digits.py` (three mapped trainings) under the real scheduler with the LocalExecutor's parallelism at 1 and at 3: the run's wall time |
@@ -225,10 +221,11 @@ figures are wall-clock times.
   mechanism: minor faults per step (copy-on-write of the inherited heap), context switches and
   thread counts (thread pools), gc collections. None differs against forked ranks: they take
   fewer minor faults per step than fresh ones (the inherited pages are never copied in the
-  steady state), the same threads and affinity, no collection. The A/B below it goes further:
+  steady state), the same threads and affinity, no collection. An A/B went further:
   one step of each rank in turn, on one CPU. Its control, bare torchrun against itself, moves
   as much between sessions as any of ours: a process's own memory layout sets its speed by
-  several percent on this VM, and that, not the fork, is what the intervals contain.
+  several percent on this VM, and that, not the fork, is what the intervals contain (the
+  figures are in docs/internals.md, "Ranks are forked, not spawned").
 
 ## Machine
 
