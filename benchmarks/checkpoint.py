@@ -41,20 +41,19 @@ the save just wrote, so they come from the page cache; saves ``fsync`` their fil
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
-import json
 import os
 import shutil
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import common
 import pages
-from common import log, median, print_table, ratio
+from common import log, median, ratio
 
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
@@ -62,7 +61,6 @@ if __name__ == "__main__":  # not in a Spark worker that imports this module for
 NAME = "checkpoint"
 EXAMPLE = common.ROOT / "examples" / "ddp_train.py"
 BATCH = 64
-QUICK_SIZES = "10,50"
 
 
 # -- helpers shared by the driver process and the ranks (no benchmark module in them) --------
@@ -188,20 +186,22 @@ def one_process(
         log(f"one process: building a {mib} MiB state")
         model = make_state(mib, chunk_mib)
         expected = checksums(model)
-        samples: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
-        names = list(VARIANTS)
-        for index in range(repeats):
-            order = names[index % len(names) :] + names[: index % len(names)]
-            for name in order:
-                directory = os.path.join(root, f"one-{mib}-{index}-{name[:5]}")
-                gc.collect()
-                sample = VARIANTS[name](model, directory, expected)
+
+        def once(name: str, model: Any = model, expected: list[float] = expected) -> Any:
+            directory = tempfile.mkdtemp(prefix="one-", dir=root)
+            try:
+                return VARIANTS[name](model, directory, expected)
+            finally:
                 shutil.rmtree(directory, ignore_errors=True)
-                samples[name].append(sample)
-                log(
-                    f"one process {mib} MiB {name} {index + 1}/{repeats}: save "
-                    f"{sample['save_s']:.2f} s, load {sample['load_s']:.2f} s"
-                )
+
+        series = common.alternate(
+            {name: functools.partial(once, name) for name in VARIANTS},
+            repeats,
+            warmup=0,
+            check=lambda _name, sample: dict(sample),
+            settle_s=0,
+        )
+        samples = {name: s.extra for name, s in series.items()}
         results[str(mib)] = {
             name: summarize(mib, s, len(list(model.parameters()))) for name, s in samples.items()
         }
@@ -566,80 +566,10 @@ def save_vs_step(args: argparse.Namespace, root: str) -> dict[str, Any]:
     return results
 
 
-# -- output --------------------------------------------------------------------------------
-def write_json(path: str, payload: dict[str, Any], machine: dict[str, Any]) -> None:
-    """Like ``common.write_results``, to a path of one's choosing."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    document = {"benchmark": NAME, "machine": machine, "argv": sys.argv[1:], **payload}
-    target.write_text(json.dumps(document, indent=2, default=str) + "\n")
-    print(f"\nwrote {target}")
-
-
-def ms(seconds: float | None) -> float | None:
-    """Seconds to milliseconds (None stays None)."""
-    return None if seconds is None else seconds * 1000
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Parse the options, run the three parts, print the tables, write the JSON."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--sizes", default="100,1000", help="comma-separated state sizes, MiB")
-    parser.add_argument("--repeats", type=int, default=3, help="save+load runs per size")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"smoke run: sizes {QUICK_SIZES}, 2 repeats, fewer steps",
-    )
-    parser.add_argument("--chunk-mib", type=int, default=32, help="MiB per tensor of the state")
-    parser.add_argument("--steps", type=int, default=200, help="timed CNN training steps")
-    parser.add_argument("--warmup-steps", type=int, default=20)
-    parser.add_argument("--saves", type=int, default=20, help="timed CNN saves (after a first one)")
-    parser.add_argument(
-        "--epoch-steps",
-        default="10,15",
-        help="steps per rank per epoch for the overhead figure (the pipeline: 1200-1800 rows, "
-        "2 ranks, batch 64)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=max(1, (os.cpu_count() or 2) // 2),
-        help="torch threads of the one-process CNN part (default: what a rank of 2 gets)",
-    )
-    parser.add_argument(
-        "--no-ranks", dest="ranks", action="store_false", help="skip the 2-rank runs"
-    )
-    parser.add_argument(
-        "--epoch-length", type=int, default=15, help="steps per rank per epoch (epochs part)"
-    )
-    parser.add_argument("--epochs", type=int, default=10, help="epochs per round (epochs part)")
-    parser.add_argument(
-        "--epoch-rounds", type=int, default=7, help="rounds per variant (epochs part)"
-    )
-    parser.add_argument(
-        "--idle-ms",
-        type=float,
-        default=5.0,
-        help="epochs part, second setting: ms of sleep after each step (the CPU idle while a "
-        "GPU computes); 0 skips it",
-    )
-    parser.add_argument("--tmpdir", default=None, help="where the temporary directory goes")
-    parser.add_argument("--timeout", type=float, default=1800, help="per 2-rank run, seconds")
-    parser.add_argument("--name", default=NAME, help="results file name")
-    parser.add_argument("--json", default=None, help="write the results here instead")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.sizes = QUICK_SIZES if args.sizes == parser.get_default("sizes") else args.sizes
-        args.repeats = min(args.repeats, 2)
-        args.steps, args.warmup_steps, args.saves = 50, 5, 5
-        args.epochs, args.epoch_rounds = 3, 2
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     args.epoch_steps = [int(s) for s in args.epoch_steps.split(",") if s.strip()]
 
-    machine = common.machine_info()
     root = tempfile.mkdtemp(prefix="sparktorch-ckpt-bench-", dir=args.tmpdir)
     log(f"temporary directory {root}")
     try:
@@ -654,126 +584,6 @@ def main(argv: list[str] | None = None) -> int:
         epochs = epochs_part(args, root) if args.ranks else None
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-    rows = []
-    for mib in sizes:
-        for name, s in one[str(mib)].items():
-            rows.append(
-                [
-                    mib,
-                    name,
-                    s["tensors"],
-                    s["disk_mib"],
-                    s["save_median_s"],
-                    f"{s['save_min_s']:.2f}-{s['save_max_s']:.2f}",
-                    s["save_mib_per_s"],
-                    s["load_median_s"],
-                    f"{s['load_min_s']:.2f}-{s['load_max_s']:.2f}",
-                    s["load_mib_per_s"],
-                    s["runs"],
-                ]
-            )
-    print_table(
-        f"Checkpoint, one process (no process group), float32 state in {args.chunk_mib} MiB "
-        f"tensors; medians of {args.repeats}",
-        [
-            "MiB",
-            "variant",
-            "tensors",
-            "on disk MiB",
-            "save s",
-            "min-max",
-            "save MiB/s",
-            "load s",
-            "min-max",
-            "load MiB/s",
-            "runs",
-        ],
-        rows,
-    )
-    print(
-        "first call (1 MiB, discarded): "
-        + "; ".join(
-            f"{name} save {f['save_s']:.3f} s / load {f['load_s']:.3f} s"
-            for name, f in first_one.items()
-        )
-    )
-    if args.ranks:
-        print_table(
-            f"Checkpoint, 2 ranks (local mode, gloo, DDP-replicated state); medians of {args.repeats}",
-            [
-                "MiB",
-                "on disk MiB",
-                "files",
-                "save s rank 0",
-                "save s max",
-                "save MiB/s",
-                "load s rank 0",
-                "load s max",
-                "load MiB/s",
-                "runs",
-            ],
-            [
-                [
-                    mib,
-                    r["disk_mib"],
-                    r["files"],
-                    r["save_rank0_median_s"],
-                    r["save_max_median_s"],
-                    r["save_mib_per_s"],
-                    r["load_rank0_median_s"],
-                    r["load_max_median_s"],
-                    r["load_mib_per_s"],
-                    r["runs"],
-                ]
-                for mib, r in ((m, ranks[str(m)]) for m in sizes)
-            ],
-        )
-        assert first_ranks is not None
-        print(
-            f"first call on the ranks (1 MiB, discarded): save {first_ranks['save_max_median_s']:.3f} s"
-            f" / load {first_ranks['load_max_median_s']:.3f} s (slowest rank); MiB/s: state size"
-            " over the slowest rank's time"
-        )
-
-    cnn_rows = []
-    settings = [("one process", cnn["one_process"])]
-    if "two_ranks" in cnn:
-        settings.append(("2 ranks, DDP (slowest rank)", cnn["two_ranks"]))
-    for label, c in settings:
-        cnn_rows.append(
-            [
-                label,
-                c["torch_threads"],
-                ms(c["step_median_s"]),
-                ms(c["save_median_s"]),
-                c["save_over_step"],
-                *(
-                    f"{100 * (c['epoch_with_save_over_without'][str(n)] - 1):.0f}%"
-                    for n in args.epoch_steps
-                ),
-                c["disk_bytes"] / 1024,
-            ]
-        )
-    print_table(
-        f"Save vs training step: DigitsCNN ({cnn['one_process']['params']:,} parameters), batch "
-        f"{BATCH}, SGD momentum; medians of {args.steps} steps and {args.saves} saves",
-        [
-            "setting",
-            "threads",
-            "step ms",
-            "save ms",
-            "save / step",
-            *(f"+epoch @{n} steps" for n in args.epoch_steps),
-            "on disk KiB",
-        ],
-        cnn_rows,
-    )
-    print(
-        "+epoch @N steps: what one save per epoch adds to an epoch of N training steps per rank "
-        "(the pipeline: 1200-1800 rows over 2 ranks at batch 64 = 10-15 steps); data loading "
-        "and the epoch's all-reduce are not counted, so the real share is smaller."
-    )
 
     payload = {
         "sizes_mib": sizes,
@@ -798,12 +608,7 @@ def main(argv: list[str] | None = None) -> int:
             "between barriers; 'max' is the slowest rank per run, then the median over runs."
         ),
     }
-    if args.json:
-        write_json(args.json, payload, machine)
-    else:
-        common.write_results(args.name, payload, machine)
-    log("done")
-    return 0
+    return payload
 
 
 # -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
@@ -830,10 +635,10 @@ def render(doc: dict[str, Any]) -> str:
                     str(s.get("tensors", "-")),
                     pages.num(s.get("disk_mib"), 1),
                     pages.num(s.get("save_median_s")),
-                    pages.min_max(s, "save"),
+                    pages.spread(s, "save"),
                     pages.num(s.get("save_mib_per_s"), 0),
                     pages.num(s.get("load_median_s")),
-                    pages.min_max(s, "load"),
+                    pages.spread(s, "load"),
                     pages.num(s.get("load_mib_per_s"), 0),
                     vs_ref,
                     str(s.get("runs")),
@@ -1125,5 +930,67 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default="100,1000", help="comma-separated state sizes, MiB")
+    parser.add_argument("--chunk-mib", type=int, default=32, help="MiB per tensor of the state")
+    parser.add_argument("--steps", type=int, default=200, help="timed CNN training steps")
+    parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--saves", type=int, default=20, help="timed CNN saves (after a first one)")
+    parser.add_argument(
+        "--epoch-steps",
+        default="10,15",
+        help="steps per rank per epoch for the overhead figure (the pipeline: 1200-1800 rows, "
+        "2 ranks, batch 64)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="torch threads of the one-process CNN part (default: what a rank of 2 gets)",
+    )
+    parser.add_argument(
+        "--no-ranks", dest="ranks", action="store_false", help="skip the 2-rank runs"
+    )
+    parser.add_argument(
+        "--epoch-length", type=int, default=15, help="steps per rank per epoch (epochs part)"
+    )
+    parser.add_argument("--epochs", type=int, default=10, help="epochs per round (epochs part)")
+    parser.add_argument(
+        "--epoch-rounds", type=int, default=7, help="rounds per variant (epochs part)"
+    )
+    parser.add_argument(
+        "--idle-ms",
+        type=float,
+        default=5.0,
+        help="epochs part, second setting: ms of sleep after each step (the CPU idle while a "
+        "GPU computes); 0 skips it",
+    )
+    parser.add_argument("--tmpdir", default=None, help="where the temporary directory goes")
+
+
+BENCH = pages.Benchmark(
+    name=NAME,
+    title=TITLE,
+    about="`sparktorch_ops.checkpoint` (`save` / `load_latest` on torch.distributed.checkpoint) "
+    "of 100 MiB and 1000 MiB states: in one process next to `torch.save` / `torch.load`, and on "
+    "2 DDP ranks; a save of the example's `DigitsCNN` next to one training step, as a share of "
+    "an epoch; and epochs saving or not (blocking and in the background)",
+    measure=measure,
+    render=render,
+    summary=summary_rows,
+    options=options,
+    defaults={"repeats": 3, "timeout": 1800},
+    quick=(
+        "--sizes=10,50",
+        "--repeats=2",
+        "--steps=50",
+        "--warmup-steps=5",
+        "--saves=5",
+        "--epochs=3",
+        "--epoch-rounds=2",
+    ),
+    headline=True,
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))

@@ -451,7 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stats-dir", default=os.environ.get(ENV_STATS_DIR))
     args = parser.parse_args(argv)
     if args.job == "allreduce":
-        allreduce(args.timings_dir, args.gpu)
+        value = allreduce(args.timings_dir, args.gpu)
+        if _rank() == 0:
+            print("RESULT " + json.dumps({"sum": value}), flush=True)
     elif args.job == "lines":
         print_lines(args.count)
     elif args.job == "tensor":

@@ -42,8 +42,7 @@ from typing import Any
 
 import common
 import pages
-import psutil
-from common import JOBS_SCRIPT, Recorder, log, median, print_table, ratio
+from common import JOBS_SCRIPT, Recorder, log, median, ratio
 
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
@@ -124,9 +123,9 @@ class Launchers:
         def census() -> Any:
             # Spark kills Python workers idle for a minute; a run that gets fresh ones pays
             # their start (and, for ours, the preflight's import of torch) again.
-            before = python_workers()
+            before = common.python_workers()
             value = run()
-            return {"value": value, "new_python_workers": len(python_workers() - before)}
+            return {"value": value, "new_python_workers": len(common.python_workers() - before)}
 
         return census
 
@@ -173,18 +172,6 @@ class Launchers:
         if name == "pyspark_local_script":
             return lambda: self.pyspark(True, lambda d: d.run(script, *script_args))
         raise ValueError(f"unknown variant {name!r}")
-
-
-def python_workers() -> set[int]:
-    """Pids of the Spark Python workers (children of ``pyspark.daemon``) under this driver."""
-    found = set()
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if "pyspark.daemon" in " ".join(proc.cmdline()) and proc.parent().name() != "java":
-                found.add(proc.pid)
-        except psutil.Error:
-            continue
-    return found
 
 
 def check_value(name: str, value: Any) -> dict[str, Any] | None:
@@ -456,46 +443,16 @@ def probes() -> dict[str, float | None]:
     return {label: common.probe_seconds(code) for label, code in codes.items()}
 
 
-# -- main ------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument(
-        "--variants",
-        default=",".join(DEFAULT_VARIANTS),
-        help=f"comma-separated; also {', '.join(OPTIONAL_VARIANTS)}",
-    )
-    parser.add_argument(
-        "--breakdown-runs", type=int, default=1, help="instrumented runs per variant (0: none)"
-    )
-    parser.add_argument(
-        "--gpu", action="store_true", help="use_gpu=True, nccl (torchrun and ours local only)"
-    )
-    parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--settle", type=float, default=0.5, help="seconds of pause between runs")
-    parser.add_argument(
-        "--no-warm-python-workers",
-        dest="warm_python_workers",
-        action="store_false",
-        help="let Spark reap its idle Python workers between runs (barrier runs then start cold)",
-    )
-    parser.add_argument("--name", default=NAME, help="results file name")
-    args = parser.parse_args(argv)
-
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     known = {*DEFAULT_VARIANTS, *OPTIONAL_VARIANTS}
     known |= {v + COLD for v in known if v.startswith("ours")}
     if set(variants) - known:
-        parser.error(f"unknown variants: {', '.join(sorted(set(variants) - known))}")
+        raise SystemExit(f"unknown variants: {', '.join(sorted(set(variants) - known))}")
     if args.gpu:
         variants = [v for v in variants if v.removesuffix(COLD) in LOCAL_VARIANTS]
-    needs_spark = any(v.startswith("pyspark") or "barrier" in v for v in variants)
-    machine = common.machine_info()
     session = None
-    if needs_spark:
+    if any(v.startswith("pyspark") or "barrier" in v for v in variants):
         log("starting a local[2] SparkSession")
         session = common.start_spark("local[2]")
         common.ship_by_value_for_pyspark(jobs)
@@ -516,12 +473,11 @@ def main(argv: list[str] | None = None) -> int:
         {name: launchers.build(name) for name in variants},
         args.repeats,
         warmup=args.warmup,
-        check=lambda name, value: check_value(name, value),
+        check=check_value,
         settle_s=args.settle,
         before_each=lambda _name: touch(),
     )
     base = median(series["torchrun"].seconds) if "torchrun" in series else None
-    rows = []
     results: dict[str, Any] = {}
     for name in variants:
         summary = series[name].summary()
@@ -539,62 +495,8 @@ def main(argv: list[str] | None = None) -> int:
                 e.get("new_python_workers") for e in series[name].extra
             ]
         results[name] = summary
-        rows.append(
-            [
-                name,
-                summary["median_s"],
-                summary["min_s"],
-                summary["max_s"],
-                summary["ratio_vs_torchrun"],
-                summary.get("cold_over_warm"),
-                summary["tree_cpu_median_s"],
-                summary["target_ratio"],
-                summary["design_target_ratio"]
-                if ours
-                else (PYSPARK_MEASURED.get(mode or "") if name.startswith("pyspark") else None),
-                f"{summary['runs']} ok"
-                + (f", {len(summary['errors'])} failed" if summary["errors"] else ""),
-                sum(1 for n in summary.get("new_python_workers", []) if n)
-                if "barrier" in name
-                else "-",
-            ]
-        )
-    print_table(
-        f"Launch: trivial 2-rank all-reduce, medians of {args.repeats} (s)",
-        [
-            "variant",
-            "median",
-            "min",
-            "max",
-            "x torchrun",
-            "cold/warm",
-            "CPU s",
-            "target",
-            "design/ref",
-            "runs",
-            "fresh py workers",
-        ],
-        rows,
-    )
-    print(
-        f"*_cold: the warm agent off ({common.WARM_AGENT_ENV}=0); cold/warm: its median over the "
-        "default variant's\ntarget: issue 16's goals for ours (local "
-        f"{TARGETS['local']:g}x, barrier {TARGETS['barrier']:g}x); design/ref: the earlier "
-        f"goals (local {DESIGN_TARGETS['local']:g}x, barrier {DESIGN_TARGETS['barrier']:g}x), "
-        "pyspark's figures measured earlier (1.3x, 2.8x)\nCPU s: CPU seconds of the driver and "
-        "of every process it reaped (the whole run in local mode; barrier-mode ranks are the "
-        "JVM's)\nfresh py workers: barrier runs that found Spark's Python workers gone (Spark "
-        "stops them after 1 minute idle) and paid for new ones"
-    )
-
     breakdown: dict[str, Any] = {}
     if args.breakdown_runs > 0:
-        probe_figures = probes()
-        print_table(
-            "Probes: a fresh interpreter, then the imports (median of 3, s)",
-            ["probe", "seconds"],
-            list(probe_figures.items()),
-        )
         for name in variants:
             runs = []
             for index in range(args.breakdown_runs):
@@ -602,26 +504,23 @@ def main(argv: list[str] | None = None) -> int:
                     touch()
                     runs.append(one_breakdown(launchers, name))
                 except Exception as exc:
-                    log(
-                        f"breakdown {name} run {index + 1}: FAILED {type(exc).__name__}: {str(exc)[:300]}"
-                    )
+                    log(f"breakdown {name} run {index + 1}: FAILED {type(exc).__name__}: {exc}")
             if not runs:
                 breakdown[name] = {"error": "every instrumented run failed"}
                 continue
             labels = sorted({k for run in runs for k in run["events"]})
             events = {k: median([r["events"][k] for r in runs if k in r["events"]]) for k in labels}
-            rows_b = phases(name, {k: v for k, v in events.items() if v is not None})
             breakdown[name] = {
                 "events_s": dict(sorted(events.items(), key=lambda kv: kv[1] or 0.0)),
-                "phases": [{"phase": p, "seconds": s, "how": how} for p, s, how in rows_b],
+                "phases": [
+                    {"phase": p, "seconds": s, "how": how}
+                    for p, s, how in phases(
+                        name, {k: v for k, v in events.items() if v is not None}
+                    )
+                ],
                 "runs": len(runs),
             }
-            print_table(
-                f"Breakdown: {name} (instrumented, median of {len(runs)} run(s))",
-                ["phase", "seconds", "how"],
-                rows_b,
-            )
-        breakdown["_probes"] = probe_figures
+        breakdown["_probes"] = probes()
         breakdown["_notes"] = (
             "Rank-side marks are time.time() in the rank; process starts come from /proc (10 ms "
             "ticks) against a boot time from /proc/uptime; driver steps of ours are timed by "
@@ -630,50 +529,32 @@ def main(argv: list[str] | None = None) -> int:
             "probes) plus the rendezvous store and the spawning of ranks: that split is inferred "
             "from the probes, not measured inside the agent."
         )
-
-    common.write_results(
-        args.name,
-        {
-            "repeats": args.repeats,
-            "warmup": args.warmup,
-            "use_gpu": args.gpu,
-            "warm_python_workers": args.warm_python_workers,
-            "variants": results,
-            "baseline": "torchrun",
-            "targets": TARGETS,
-            "design_targets": DESIGN_TARGETS,
-            "warm_agent_env": common.WARM_AGENT_ENV,
-            "pyspark_reference": PYSPARK_MEASURED,
-            "breakdown": breakdown,
-        },
-        machine,
-    )
     if session is not None:
         session.stop()
-    return 0
+    return {
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "use_gpu": args.gpu,
+        "warm_python_workers": args.warm_python_workers,
+        "variants": results,
+        "baseline": "torchrun",
+        "targets": TARGETS,
+        "design_targets": DESIGN_TARGETS,
+        "warm_agent_env": common.WARM_AGENT_ENV,
+        "pyspark_reference": PYSPARK_MEASURED,
+        "breakdown": breakdown,
+    }
 
 
 # -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
 TITLE = "Launch"
 
 
-LAUNCH_TARGETS = {"local": 0.3, "barrier": 0.6}
-
-
-def _launch_targets(s: dict[str, Any], mode: str) -> tuple[float | None, float | None]:
-    """(issue 16's target, the earlier design target) of one launch variant."""
-    if "design_target_ratio" in s:
-        return s.get("target_ratio"), s.get("design_target_ratio")
-    # written before issue 16: its target_ratio is the design target
-    return (LAUNCH_TARGETS.get(mode) if s.get("target_ratio") else None), s.get("target_ratio")
-
-
 def render(doc: dict[str, Any]) -> str:
     """This benchmark\'s section of benchmarks/README.md, from its JSON."""
     rows = []
     for name, s in doc["variants"].items():
-        mode = "local" if "local" in name else "barrier"
-        target, design = _launch_targets(s, mode)
+        target, design = s.get("target_ratio"), s.get("design_target_ratio")
         ratio = s.get("ratio_vs_torchrun")
         warm = s.get("warm_agent")
         rows.append(
@@ -737,7 +618,20 @@ def render(doc: dict[str, Any]) -> str:
     if probes:
         out.append("What single steps cost on this machine (one process each, seconds):")
         out.append(pages.table(["step", "seconds"], [[k, pages.num(v)] for k, v in probes.items()]))
+    out.append(READING)
     return "\n\n".join(out) + pages.notes(breakdown.get("_notes"))
+
+
+READING = (
+    "Reading it: ranks are forked (through their supervisors) from the torchrun agent, which "
+    "has already imported torch (DESIGN section 9), and after a driver's (or Spark Python "
+    "worker's) first run the agent itself is forked from the warm agent, a fork server that "
+    "imported torch once. What is left is torchrun's own work (rendezvous, starting and "
+    "watching the workers, the exit) and ours (channel, Spark job); with 2+ nodes the agents "
+    "poll the rendezvous in proportion to their number instead of every second. The `*_cold` "
+    "variants, run side by side with `SPARKTORCH_OPS_WARM_AGENT=0`, pay the agent's "
+    "interpreter and `import torch` (two at once on 2 cores in barrier mode)."
+)
 
 
 def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
@@ -754,7 +648,7 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
             continue
         worst = max(ours, key=lambda s: s.get("ratio_vs_torchrun") or 0.0)
         ratio = worst.get("ratio_vs_torchrun")
-        target, _ = _launch_targets(worst, mode)
+        target = worst.get("target_ratio")
         cold = [
             s.get("ratio_vs_torchrun")
             for name, s in v.items()
@@ -775,5 +669,35 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"comma-separated; also {', '.join(OPTIONAL_VARIANTS)}",
+    )
+    parser.add_argument(
+        "--breakdown-runs", type=int, default=1, help="instrumented runs per variant (0: none)"
+    )
+    parser.add_argument(
+        "--gpu", action="store_true", help="use_gpu=True, nccl (torchrun and ours local only)"
+    )
+    common.warm_python_workers_option(parser)
+
+
+BENCH = pages.Benchmark(
+    name=NAME,
+    title=TITLE,
+    about="a trivial 2-rank all-reduce, from the call to its return: bare `torchrun` as a "
+    "command; ours in local mode (function, script) and in barrier mode on a warm `local[2]` "
+    "session, each by default (warm agent) and with the warm agent off (`*_cold`); pyspark's "
+    "local and barrier mode. Plus where the time goes, phase by phase",
+    measure=measure,
+    render=render,
+    summary=summary_rows,
+    options=options,
+    defaults={"timeout": 300},
+    headline=True,
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))
