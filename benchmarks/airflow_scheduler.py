@@ -181,8 +181,6 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
 BENCH = pages.Benchmark(
     name=NAME,
     title=TITLE,
-    about="`dags/retrain_digits.py` under Airflow's real scheduler against `airflow dags test`, "
-    'and how long after "mark failed" the last process of a barrier-mode try is gone',
     measure=measure,
     render=render,
     summary=summary_rows,

@@ -277,9 +277,6 @@ def options(parser: argparse.ArgumentParser) -> None:
 BENCH = pages.Benchmark(
     name=NAME,
     title=TITLE,
-    about="a fresh process's first run (what every scheduled task pays) and its second, next to "
-    "bare torchrun: local, barrier on a `local[2]` session, and Spark Connect against a fresh "
-    "and a used server; with `--before PATH`, another checkout in the same rounds",
     measure=measure,
     render=render,
     summary=summary_rows,

@@ -481,11 +481,32 @@ def touch_python_workers(session: Any) -> None:
         sc.setLocalProperty("spark.job.description", None)
 
 
+def ours(**options: Any) -> Any:
+    """Our TorchDistributor as the benchmarks run it: 2 ranks, local mode, CPU, a logger that
+    drops the lines (built, as in a pipeline); ``options`` change any of these."""
+    from sparktorch_ops import TorchDistributor
+
+    defaults = {"num_processes": 2, "local_mode": True, "use_gpu": False, "logger": quiet_logger()}
+    return TorchDistributor(**{**defaults, **options})
+
+
 def pyspark_distributor(local_mode: bool, num_processes: int = 2) -> Any:
     """pyspark's own TorchDistributor on the active session, on CPU."""
     from pyspark.ml.torch.distributor import TorchDistributor as SparkTorchDistributor
 
     return SparkTorchDistributor(num_processes=num_processes, local_mode=local_mode, use_gpu=False)
+
+
+def pyspark_run(session: Any, call: Callable[[], Any], timeout: float) -> Any:
+    """``call()`` (a run of pyspark's TorchDistributor, which has no timeout of its own); after
+    ``timeout`` seconds the session's jobs are cancelled and pyspark's rank processes killed."""
+
+    def on_timeout() -> None:
+        session.sparkContext.cancelAllJobs()
+        kill_descendants("torch_run_process_wrapper")
+        kill_descendants("torch.distributed.run")
+
+    return run_with_timeout(call, timeout, on_timeout)
 
 
 def ship_by_value_for_pyspark(module: Any) -> None:

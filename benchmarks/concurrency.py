@@ -51,16 +51,9 @@ def train_steps(steps: int) -> int:
 
 
 def build_variants(session: Any, steps: int) -> dict[str, Any]:
-    from sparktorch_ops import TorchDistributor
 
     def one() -> int:
-        distributor = TorchDistributor(
-            num_processes=1,
-            local_mode=False,
-            use_gpu=False,
-            spark=session,
-            logger=common.quiet_logger(),
-        )
+        distributor = common.ours(num_processes=1, local_mode=False, spark=session)
         return int(distributor.run(train_steps, steps))
 
     def sequential() -> list[int]:
@@ -152,8 +145,6 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
 BENCH = pages.Benchmark(
     name=NAME,
     title="Several runs at once",
-    about=f"{RUNS} one-rank barrier runs on one `local[4]` session, from {RUNS} threads at once "
-    "vs one after another: wall time of all of them",
     measure=measure,
     render=render,
     summary=summary_rows,

@@ -109,16 +109,9 @@ class Launchers:
         self.fn = functools.partial(jobs.allreduce, None, False)
 
     def ours(self, session: Any, channel_host: str | None = None) -> Any:
-        from sparktorch_ops import TorchDistributor
 
-        distributor = TorchDistributor(
-            num_processes=2,
-            local_mode=False,
-            use_gpu=False,
-            spark=session,
-            logger=self.logger,
-            timeout=self.timeout,
-            channel_host=channel_host,
+        distributor = common.ours(
+            local_mode=False, spark=session, timeout=self.timeout, channel_host=channel_host
         )
         return distributor.run(self.fn)
 
@@ -364,8 +357,6 @@ def options(parser: argparse.ArgumentParser) -> None:
 BENCH = pages.Benchmark(
     name=NAME,
     title=TITLE,
-    about="the trivial 2-rank all-reduce in barrier mode from a classic session and from a Spark "
-    "Connect session, ours (live and relayed channel) and pyspark's",
     measure=measure,
     render=render,
     summary=summary_rows,

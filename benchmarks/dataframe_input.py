@@ -175,8 +175,6 @@ def build_variants(
 ) -> dict[str, Any]:
     import time
 
-    from sparktorch_ops import TorchDistributor
-
     per_rank = rows // 2
 
     def floor() -> Any:
@@ -192,9 +190,7 @@ def build_variants(
         def on_event(event: Any) -> None:
             marks.setdefault(event.name, time.perf_counter() - started)
 
-        dist = TorchDistributor(
-            num_processes=2, local_mode=False, use_gpu=False, spark=session, on_event=on_event
-        )
+        dist = common.ours(local_mode=False, spark=session, on_event=on_event)
         ranks = dist.train_on_dataframe(rank_epoch, df, kind, per_rank, BATCH, 1)
         return {"ranks": ranks, "phases": phases_of(marks, time.perf_counter() - started)}
 
@@ -202,14 +198,10 @@ def build_variants(
         dist = common.pyspark_distributor(local_mode=False)
         samples = min(per_rank, pyspark_samples)
 
-        def cancel() -> None:
-            session.sparkContext.cancelAllJobs()
-            common.kill_descendants("torch.distributed.run")
-
-        ranks = common.run_with_timeout(
+        ranks = common.pyspark_run(
+            session,
             lambda: dist._train_on_dataframe(rank_epoch, df, "pyspark", samples, BATCH, 1),
             timeout,
-            cancel,
         )
         return {"ranks": ranks, "phases": {}}
 
@@ -280,12 +272,9 @@ def warm_agents(session: Any, small: Any) -> None:
     warm agent because a variant before it did not use them. It is a ``mapInArrow`` barrier
     stage like the timed runs' (an RDD stage may get other Python workers, whose task 0 then
     pays ``import torch`` for the rendezvous store)."""
-    from sparktorch_ops import TorchDistributor
 
     common.touch_python_workers(session)
-    TorchDistributor(
-        num_processes=2, local_mode=False, use_gpu=False, spark=session
-    ).train_on_dataframe(warm_ranks, small)
+    common.ours(local_mode=False, spark=session).train_on_dataframe(warm_ranks, small)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -513,10 +502,6 @@ def options(parser: argparse.ArgumentParser) -> None:
 BENCH = pages.Benchmark(
     name=NAME,
     title=TITLE,
-    about="`train_on_dataframe` on a 2M and an 8M row x 32 float32 DataFrame (barrier mode), "
-    "ranks reading every batch with `partition_loader` or nothing, next to one Spark pass over "
-    "the rows as Arrow (the floor) and pyspark's `_train_on_dataframe`; where our time goes, "
-    "phase by phase; rows/s and peak RSS per rank",
     measure=measure,
     render=render,
     summary=summary_rows,

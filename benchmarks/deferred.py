@@ -1,5 +1,8 @@
-"""Deferred against attached trainings under Airflow's real scheduler (LocalExecutor on
-SQLite, with a triggerer: harness/airflow_services.py), one installation for every figure:
+"""Deferred against attached trainings under Airflow's real scheduler: the worker slot a
+training holds, its wall time, the triggerer's CPU, and how soon a restarted triggerer watches.
+
+One installation (LocalExecutor on SQLite, with a triggerer: harness/airflow_services.py)
+serves every figure:
 
 - **worker-slot seconds**: a training of ``--long-minutes`` (10 by default) run attached and
   deferred at the same time; the seconds its task held a worker slot are the lifetimes of the
@@ -350,9 +353,6 @@ def options(parser: argparse.ArgumentParser) -> None:
 BENCH = pages.Benchmark(
     name=NAME,
     title=TITLE,
-    about="deferred against attached trainings under Airflow's real scheduler: worker-slot "
-    "seconds of a long training, a short one's wall time, the triggerer's CPU while it "
-    "watches, and how soon a restarted triggerer watches again",
     measure=measure,
     render=render,
     summary=summary_rows,

@@ -90,14 +90,11 @@ class Launchers:
         self.on_event: Callable[[Any], None] | None = None  # set for breakdown runs only
 
     def ours(self, local_mode: bool, **options: Any) -> Any:
-        from sparktorch_ops import TorchDistributor
 
-        return TorchDistributor(
-            num_processes=2,
+        return common.ours(
             local_mode=local_mode,
             use_gpu=self.use_gpu,
             spark=None if local_mode else self.session,
-            logger=self.logger,
             timeout=self.timeout,
             on_event=self.on_event,
             **options,
@@ -105,13 +102,7 @@ class Launchers:
 
     def pyspark(self, local_mode: bool, call: Callable[[Any], Any]) -> Any:
         distributor = common.pyspark_distributor(local_mode)
-
-        def on_timeout() -> None:
-            self.session.sparkContext.cancelAllJobs()
-            common.kill_descendants("torch_run_process_wrapper")
-            common.kill_descendants("torch.distributed.run")
-
-        return common.run_with_timeout(lambda: call(distributor), self.timeout, on_timeout)
+        return common.pyspark_run(self.session, lambda: call(distributor), self.timeout)
 
     def build(self, name: str, timings_dir: str | None = None) -> Callable[[], Any]:
         run = self._build(name.removesuffix(COLD), timings_dir)
@@ -278,125 +269,76 @@ PROC = "measured (/proc, 10 ms ticks)"
 MEASURED = "measured"
 POLLED = "measured (driver polls every 50 ms)"
 
-_RANK_STEPS = [
-    ("fn_start", "rank: read the payload, unpickle, until the function runs", MEASURED),
-    ("torch_imported", "rank: import torch", MEASURED),
-    ("pg_ready", "rendezvous: init_process_group", MEASURED),
-    ("fn_end", "user function: all-reduce + destroy_process_group", MEASURED),
-]
-CHECKPOINTS: dict[str, list[tuple[str, str, str]]] = {
-    "torchrun": [
-        ("agent process start", "exec of the torchrun process", PROC),
-        (
-            "rank process start",
-            "torchrun agent: interpreter, import torch, rendezvous, spawn",
-            PROC,
-        ),
-        ("fn_start", "rank: interpreter, argparse, until the function runs", MEASURED),
-        *_RANK_STEPS[1:],
-        ("returned", "ranks exit, torchrun notices and exits, subprocess returns", MEASURED),
-    ],
-    "ours_local": [
-        (
-            "payload_packed",
-            "driver: build the job (pickle the function / read the script)",
-            MEASURED,
-        ),
-        ("channel_open", "driver: open the channel", MEASURED),
-        ("launcher_started", "driver: plan, payload file, start the agent (Popen)", MEASURED),
-        (
-            "agent process start",
-            "agent process start (exec; warm: forked by the fork server)",
-            PROC,
-        ),
-        (
-            "rank supervisor start",
-            "torchrun agent: interpreter and import torch (cold only), rendezvous, fork",
-            PROC,
-        ),
-        ("supervisor_connected (last)", "supervisor: channel hello", MEASURED),
-        ("rank process start", "supervisor: fork the rank process", PROC),
-        ("worker_connected (last)", "rank: channel hello", MEASURED),
-        *_RANK_STEPS,
-        ("result_received", "rank 0: pickle and send the result", MEASURED),
-        ("rank_exited (last)", "ranks exit, supervisors report", MEASURED),
-        ("finishing", "torchrun agent notices the exits and exits", POLLED),
-        ("drained", "driver: drain the channel", MEASURED),
-        (
-            "launcher_finished",
-            "driver: unpickle, close the channel, teardown (process tree, sweep, workdir)",
-            MEASURED,
-        ),
-        ("returned", "driver: build the RunResult", MEASURED),
-    ],
-    "ours_barrier": [
-        (
-            "payload_packed",
-            "driver: build the job (pickle the function / read the script)",
-            MEASURED,
-        ),
-        ("slots_ready", "driver: Spark conf and slot checks", MEASURED),
-        ("launcher_started", "driver: channel, plan, submit the barrier job", MEASURED),
-        (
-            "node_connected (last)",
-            "Spark: barrier tasks start, hello; task 0 hosts the store, port via the driver",
-            MEASURED,
-        ),
-        ("agent process start", "task: payload file, start (or fork) the agent", PROC),
-        (
-            "rank supervisor start",
-            "torchrun agent: interpreter and import torch (cold only), rendezvous, fork",
-            PROC,
-        ),
-        ("supervisor_connected (last)", "supervisor: channel hello", MEASURED),
-        ("rank process start", "supervisor: fork the rank process", PROC),
-        ("worker_connected (last)", "rank: channel hello", MEASURED),
-        *_RANK_STEPS,
-        ("result_received", "rank 0: pickle and send the result", MEASURED),
-        ("rank_exited (last)", "ranks exit, supervisors report", MEASURED),
-        ("node_exited (last)", "torchrun agents notice the exits, exit barrier, exit", MEASURED),
-        (
-            "finishing",
-            "driver releases the store; task 0 ends, the Spark job completes (polled)",
-            POLLED,
-        ),
-        ("drained", "driver: drain the channel", MEASURED),
-        ("launcher_finished", "driver: unpickle, close, wait for the job's end", MEASURED),
-        ("returned", "driver: build the RunResult", MEASURED),
-    ],
-    "pyspark_local": [
-        ("pyspark wrapper start", "pyspark: pickle to a file, start its wrapper process", PROC),
-        ("agent process start", "wrapper: interpreter, start torchrun", PROC),
-        (
-            "rank process start",
-            "torchrun agent: interpreter, import torch, rendezvous, spawn",
-            PROC,
-        ),
-        ("fn_start", "rank: interpreter, import pyspark's cloudpickle, unpickle", MEASURED),
-        *_RANK_STEPS[1:],
-        (
-            "returned",
-            "ranks write the output file and exit, torchrun + wrapper exit, driver reads",
-            MEASURED,
-        ),
-    ],
-    "pyspark_barrier": [
-        (
-            "pyspark wrapper start",
-            "pyspark: log server (sleeps 1 s), Spark job, task setup, wrapper",
-            PROC,
-        ),
-        ("agent process start", "wrapper: interpreter, start torchrun", PROC),
-        (
-            "rank process start",
-            "torchrun agent: interpreter, import torch, rendezvous, spawn",
-            PROC,
-        ),
-        ("fn_start", "rank: interpreter, import pyspark's cloudpickle, unpickle", MEASURED),
-        *_RANK_STEPS[1:],
-        ("returned", "ranks exit, torchrun + wrapper exit, Arrow result, Spark job ends", MEASURED),
-    ],
-}
+# Where each family's timeline is cut: "event | how it is known | the phase that ends there";
+# "@name" stands for the steps of [name] (a rank's own, or ours' agent to the ranks' exits).
+_CHECKPOINTS = """
+[rank]
+torch_imported | measured | rank: import torch
+pg_ready | measured | rendezvous: init_process_group
+fn_end | measured | user function: all-reduce + destroy_process_group
+[ours_ranks]
+rank supervisor start | proc | torchrun agent: interpreter and import torch (cold only), rendezvous, fork
+supervisor_connected (last) | measured | supervisor: channel hello
+rank process start | proc | supervisor: fork the rank process
+worker_connected (last) | measured | rank: channel hello
+fn_start | measured | rank: read the payload, unpickle, until the function runs
+@rank
+result_received | measured | rank 0: pickle and send the result
+rank_exited (last) | measured | ranks exit, supervisors report
+[torchrun]
+agent process start | proc | exec of the torchrun process
+rank process start | proc | torchrun agent: interpreter, import torch, rendezvous, spawn
+fn_start | measured | rank: interpreter, argparse, until the function runs
+@rank
+returned | measured | ranks exit, torchrun notices and exits, subprocess returns
+[ours_local]
+payload_packed | measured | driver: build the job (pickle the function / read the script)
+channel_open | measured | driver: open the channel
+launcher_started | measured | driver: plan, payload file, start the agent (Popen)
+agent process start | proc | agent process start (exec; warm: forked by the fork server)
+@ours_ranks
+finishing | polled | torchrun agent notices the exits and exits
+drained | measured | driver: drain the channel
+launcher_finished | measured | driver: unpickle, close the channel, teardown (process tree, sweep, workdir)
+returned | measured | driver: build the RunResult
+[ours_barrier]
+payload_packed | measured | driver: build the job (pickle the function / read the script)
+slots_ready | measured | driver: Spark conf and slot checks
+launcher_started | measured | driver: channel, plan, submit the barrier job
+node_connected (last) | measured | Spark: barrier tasks start, hello; task 0 hosts the store, port via the driver
+agent process start | proc | task: payload file, start (or fork) the agent
+@ours_ranks
+node_exited (last) | measured | torchrun agents notice the exits, exit barrier, exit
+finishing | polled | driver releases the store; task 0 ends, the Spark job completes (polled)
+drained | measured | driver: drain the channel
+launcher_finished | measured | driver: unpickle, close, wait for the job's end
+returned | measured | driver: build the RunResult
+[pyspark_local]
+pyspark wrapper start | proc | pyspark: pickle to a file, start its wrapper process
+agent process start | proc | wrapper: interpreter, start torchrun
+rank process start | proc | torchrun agent: interpreter, import torch, rendezvous, spawn
+fn_start | measured | rank: interpreter, import pyspark's cloudpickle, unpickle
+@rank
+returned | measured | ranks write the output file and exit, torchrun + wrapper exit, driver reads
+[pyspark_barrier]
+pyspark wrapper start | proc | pyspark: log server (sleeps 1 s), Spark job, task setup, wrapper
+agent process start | proc | wrapper: interpreter, start torchrun
+rank process start | proc | torchrun agent: interpreter, import torch, rendezvous, spawn
+fn_start | measured | rank: interpreter, import pyspark's cloudpickle, unpickle
+@rank
+returned | measured | ranks exit, torchrun + wrapper exit, Arrow result, Spark job ends
+"""
+HOW = {"proc": PROC, "measured": MEASURED, "polled": POLLED}
+CHECKPOINTS: dict[str, list[tuple[str, str, str]]] = {}
+for _line in _CHECKPOINTS.strip().splitlines():
+    if _line.startswith("["):
+        _steps = CHECKPOINTS.setdefault(_line.strip("[]"), [])
+    elif _line.startswith("@"):
+        _steps.extend(CHECKPOINTS[_line[1:]])
+    else:
+        _event, _how, _description = (part.strip() for part in _line.split("|", 2))
+        _steps.append((_event, _description, HOW[_how]))
+del CHECKPOINTS["rank"], CHECKPOINTS["ours_ranks"]
 
 
 def family(name: str) -> str:
@@ -687,10 +629,6 @@ def options(parser: argparse.ArgumentParser) -> None:
 BENCH = pages.Benchmark(
     name=NAME,
     title=TITLE,
-    about="a trivial 2-rank all-reduce, from the call to its return: bare `torchrun` as a "
-    "command; ours in local mode (function, script) and in barrier mode on a warm `local[2]` "
-    "session, each by default (warm agent) and with the warm agent off (`*_cold`); pyspark's "
-    "local and barrier mode. Plus where the time goes, phase by phase",
     measure=measure,
     render=render,
     summary=summary_rows,

@@ -94,14 +94,11 @@ class FileLogger:
 
 def build_variants(count: int, control: bool, timeout: float) -> dict[str, Callable[[], Any]]:
     """name -> run once; ours return (the log sink, lines expected per rank)."""
-    from sparktorch_ops import TorchDistributor
 
     def ours(lines: int, as_function: bool) -> Callable[[], Any]:
         def run() -> Any:
             sink = FileLogger()
-            distributor = TorchDistributor(
-                num_processes=2, local_mode=True, use_gpu=False, logger=sink.logger, timeout=timeout
-            )
+            distributor = common.ours(logger=sink.logger, timeout=timeout)
             if as_function:
                 distributor.run(jobs.print_lines, lines)
             else:
@@ -257,8 +254,6 @@ def options(parser: argparse.ArgumentParser) -> None:
 BENCH = pages.Benchmark(
     name=NAME,
     title=TITLE,
-    about="every rank prints 20,000 lines: bare torchrun writing to /dev/null vs ours "
-    "delivering every line to a `FileHandler`, checked line by line (count and order per rank)",
     measure=measure,
     render=render,
     summary=summary_rows,

@@ -1,7 +1,6 @@
 """The one renderer of the benchmarks, and what each benchmark declares (standard library only).
 
-Every benchmark module declares one :class:`Benchmark`: its name, title, the line of the
-index that says what it measures, its options, how it measures (``measure(args)`` returns the
+Every benchmark module declares one :class:`Benchmark`: its name, title, its options, how it measures (``measure(args)`` returns the
 figures to write) and how its JSON reads (``render(doc)``: its section of
 ``benchmarks/README.md``, printed as is on the console after a run; ``summary(doc)``: its
 rows of the headline table). ``common.main`` runs one, ``run_all.py`` collects them all.
@@ -23,8 +22,8 @@ class Benchmark:
 
     Attributes:
         name: its results file, ``benchmarks/results/<folder>/<name>.json``.
-        title: its section's heading.
-        about: what it measures, for the page's index.
+        title: its section's heading (what it measures is its module docstring's first
+            paragraph, the page's index shows it).
         measure: runs it; returns the figures (the JSON's settings, ``variants``, ``notes``).
         render: its section of the page, from its JSON.
         summary: its rows of the headline table (label, measure, ours, target).
@@ -37,7 +36,6 @@ class Benchmark:
 
     name: str
     title: str
-    about: str
     measure: Callable[[argparse.Namespace], Doc]
     render: Callable[[Doc], str]
     summary: Callable[[Doc], list[list[str]]] | None = None

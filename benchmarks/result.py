@@ -38,9 +38,6 @@ def build_variants(
     session: Any, modes: list[str], control: bool, timeout: float, mib: int
 ) -> dict[str, Callable[[], Any]]:
     """name -> run once (returns (value, peak driver RSS MiB, RSS before MiB))."""
-    from sparktorch_ops import TorchDistributor
-
-    logger = common.quiet_logger()
 
     def sampled(run: Callable[[], Any]) -> Callable[[], Any]:
         def wrapper() -> Any:
@@ -52,26 +49,15 @@ def build_variants(
         return wrapper
 
     def ours(local_mode: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
-        distributor = functools.partial(
-            TorchDistributor,
-            num_processes=2,
-            local_mode=local_mode,
-            use_gpu=False,
-            spark=None if local_mode else session,
-            logger=logger,
-            timeout=timeout,
+        spark = None if local_mode else session
+        return sampled(
+            lambda: common.ours(local_mode=local_mode, spark=spark, timeout=timeout).run(fn)
         )
-        return sampled(lambda: distributor().run(fn))
 
     def pyspark(local_mode: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
-        def on_timeout() -> None:
-            session.sparkContext.cancelAllJobs()
-            common.kill_descendants("torch_run_process_wrapper")
-            common.kill_descendants("torch.distributed.run")
-
         def run() -> Any:
             distributor = common.pyspark_distributor(local_mode)
-            return common.run_with_timeout(lambda: distributor.run(fn), timeout, on_timeout)
+            return common.pyspark_run(session, lambda: distributor.run(fn), timeout)
 
         return sampled(run)
 
@@ -243,8 +229,6 @@ def options(parser: argparse.ArgumentParser) -> None:
 BENCH = pages.Benchmark(
     name=NAME,
     title=TITLE,
-    about="rank 0 returns a 256 MiB tensor: ours vs pyspark, local and barrier mode; a control "
-    "run builds the tensor but returns only its size, so the difference is the transfer",
     measure=measure,
     render=render,
     summary=summary_rows,

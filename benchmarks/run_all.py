@@ -72,6 +72,12 @@ def script(module: str) -> Path:
     return BENCH_DIR / (module.replace(".", "/") + ".py")
 
 
+def about(module: str) -> str:
+    """What a benchmark measures: its docstring's first paragraph, as markdown."""
+    doc = importlib.import_module(module).__doc__ or ""
+    return " ".join(doc.split("\n\n")[0].split()).replace("``", "`")
+
+
 def load_results(
     results_dir: Path = RESULTS_DIR, names: tuple[str, ...] = ORDER, prefix: str = ""
 ) -> dict[str, tuple[pages.Benchmark, dict[str, Any]]]:
@@ -179,7 +185,7 @@ def render_page(results_dir: Path = RESULTS_DIR) -> str:
     """The whole of ``benchmarks/README.md``."""
     docs = load_results(results_dir)
     index = "\n".join(
-        f"| {bench.title} | `{script(module).relative_to(BENCH_DIR)}` | {bench.about} |"
+        f"| {bench.title} | `{script(module).relative_to(BENCH_DIR)}` | {about(module)} |"
         for module, bench in benchmarks().items()
     )
     intro = INTRO.format(generated=GENERATED, index=index, machine=_machine_block(docs))

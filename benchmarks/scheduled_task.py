@@ -256,9 +256,6 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
 BENCH = pages.Benchmark(
     name=NAME,
     title=TITLE,
-    about="a whole scheduled task, a fresh process each time: `airflow dags test` of a one-task "
-    "DAG (embedded `local[2]`, or a Connect server) and a Prefect flow run, from the process's "
-    "start to the session, to rank 0's result and to the process's end",
     measure=measure,
     render=render,
     summary=summary_rows,

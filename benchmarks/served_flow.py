@@ -393,9 +393,6 @@ def options(parser: argparse.ArgumentParser) -> None:
 BENCH = pages.Benchmark(
     name=NAME,
     title=TITLE,
-    about="`flows/retrain_digits.py` run once (`--once`, on the ephemeral server and against a "
-    "real one) and as a served deployment; how soon a cancel through the API ends the ranks, "
-    "local and barrier mode",
     measure=measure,
     render=render,
     summary=summary_rows,

@@ -60,16 +60,8 @@ def _silent_since(error: Any) -> float:
 
 
 def _distributor(mode: str, session: Any, **options: Any) -> Any:
-    from sparktorch_ops import TorchDistributor
-
-    return TorchDistributor(
-        num_processes=2,
-        local_mode=mode == "local",
-        use_gpu=False,
-        spark=session if mode == "barrier" else None,
-        logger=common.quiet_logger(),
-        **options,
-    )
+    spark = session if mode == "barrier" else None
+    return common.ours(local_mode=mode == "local", spark=spark, **options)
 
 
 def stall_once(mode: str, session: Any, stall_timeout: float, workdir: Path) -> float:
@@ -197,8 +189,6 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
 BENCH = pages.Benchmark(
     name=NAME,
     title="A hung training",
-    about="2 ranks, one sleeping in its data loading: from the silence to "
-    "`TrainingStalledError` (local and barrier mode), and what a cancel's stack capture takes",
     measure=measure,
     render=render,
     summary=summary_rows,

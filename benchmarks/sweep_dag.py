@@ -116,8 +116,6 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
 BENCH = pages.Benchmark(
     name=NAME,
     title=TITLE,
-    about="`dags/sweep_digits.py` (three mapped trainings) under the real scheduler with the "
-    "LocalExecutor's parallelism at 1 and at 3: the run's wall time",
     measure=measure,
     render=render,
     summary=summary_rows,

@@ -198,8 +198,6 @@ def render(doc: dict[str, Any]) -> str:
 BENCH = pages.Benchmark(
     name="gpu_bench",
     title=TITLE,
-    about="local mode with `use_gpu=True` and NCCL vs bare torchrun: launch, and DDP ResNet-50 "
-    "images/s (on the GPU machine: `bash benchmarks/gpu_check.sh run`)",
     measure=measure,
     render=render,
     options=options,
