@@ -130,8 +130,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     session.stop()
     shutil.rmtree(root, ignore_errors=True)
-    capture = common.Series("capture", [e["capture_s"] for e in series["cancel"].extra])
-    variants = {name: s.summary() for name, s in {**series, "capture": capture}.items()}
+    series["capture"] = common.Series("capture", [e["capture_s"] for e in series["cancel"].extra])
+    variants = {name: series[name].summary() for name in LABELS}
     return {"repeats": args.repeats, "stall_timeout": args.stall_timeout, "variants": variants}
 
 
