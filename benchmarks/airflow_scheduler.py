@@ -31,7 +31,7 @@ from typing import Any
 
 import common
 import pages
-from common import Series, log, print_table, ratio
+from common import log, ratio
 
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
@@ -62,16 +62,8 @@ def dags_test(home: Path, state: Path, epochs: int) -> float:
     return time.perf_counter() - started
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--epochs", type=int, default=5)
-    args = parser.parse_args()
-    machine = common.machine_info()
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-airflow-"))
-    series = {name: Series(name) for name in ("dags_test", "scheduler", "mark_failed")}
-    api_span: list[float] = []
-
     # airflow dags test's own installation: a migrated SQLite home with the DAG.
     test_home = work / "dags-test-home"
     (test_home / "dags").mkdir(parents=True)
@@ -89,25 +81,29 @@ def main() -> int:
         warmup = airflow.wait_until("the scheduled run", lambda: airflow.runs(DAG), 120)[0]
         airflow.wait_for_run(DAG, warmup["dag_run_id"], timeout=1800)
         log("warm-up (scheduled) run done")
-        for round_ in range(args.repeats):
-            order = ["dags_test", "scheduler"][:: 1 if round_ % 2 == 0 else -1]
-            for name in order:
-                state = work / f"{name}-{round_}"
-                if name == "dags_test":
-                    seconds = dags_test(test_home, state, args.epochs)
-                else:
-                    began = time.perf_counter()
-                    run_id = airflow.trigger(DAG, {"state": str(state), "epochs": args.epochs})
-                    outcome = airflow.wait_for_run(DAG, run_id, timeout=1800)
-                    seconds = time.perf_counter() - began
-                    if outcome != "success":
-                        series[name].errors.append(f"run {run_id}: {outcome}")
-                        continue
-                    run = airflow.api("GET", f"/dags/{DAG}/dagRuns/{run_id}")
-                    api_span.append(_span(run["queued_at"], run["end_date"]))
-                series[name].seconds.append(seconds)
-                log(f"round {round_}: {name} {seconds:.1f} s")
 
+        def scheduled() -> float:
+            run_id = airflow.trigger(DAG, {"state": str(fresh("scheduler")), "epochs": args.epochs})
+            outcome = airflow.wait_for_run(DAG, run_id, timeout=1800)
+            if outcome != "success":
+                raise RuntimeError(f"run {run_id}: {outcome}")
+            run = airflow.api("GET", f"/dags/{DAG}/dagRuns/{run_id}")
+            return _span(run["queued_at"], run["end_date"])
+
+        def fresh(name: str) -> Path:
+            return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=work))
+
+        series = common.alternate(
+            {
+                "dags_test": lambda: dags_test(test_home, fresh("dags_test"), args.epochs),
+                "scheduler": scheduled,
+            },
+            args.repeats,
+            warmup=args.warmup,
+            check=lambda name, span: {"api_span_s": span} if name == "scheduler" else None,
+            settle_s=args.settle,
+        )
+        mark_failed = common.Series("mark_failed")
         fault = "sto_scheduled_mark_failed"
         markers = RankMarkers(work / "markers")
         markers.path.mkdir()
@@ -120,45 +116,23 @@ def main() -> int:
             processes, marker = wait_for_ranks(airflow, markers, fault, run_id)
             airflow.mark_failed(fault, run_id, "train")
             seconds = seconds_until_gone(processes, marker, timeout=120)
-            series["mark_failed"].seconds.append(seconds)
+            mark_failed.seconds.append(seconds)
             log(f"round {round_}: mark failed -> last process gone after {seconds:.1f} s")
             airflow.wait_for_run(fault, run_id, timeout=300)
 
-    summary = {name: s.summary() for name, s in series.items()}
-    base = summary["dags_test"]["median_s"]
-    print_table(
-        f"retrain_digits ({args.epochs} epochs), {args.repeats} run(s) each; medians",
-        ["variant", "wall s", "vs dags test"],
-        [
-            ["airflow dags test (command)", base, 1.0 if base else None],
-            [
-                "scheduler + LocalExecutor (trigger -> run ended)",
-                summary["scheduler"]["median_s"],
-                ratio(summary["scheduler"]["median_s"], base),
-            ],
-        ],
-    )
-    print_table(
-        "mark failed while training (barrier mode, 2 ranks)",
-        ["measure", "seconds"],
-        [
-            ["last process of the try gone after", summary["mark_failed"]["median_s"]],
-            ["components healthy after start", startup],
-        ],
-    )
-    common.write_results(
-        NAME,
-        {
-            "epochs": args.epochs,
-            "repeats": args.repeats,
-            "startup_s": startup,
-            "scheduler_api_queued_to_end_s": api_span,
-            "variants": summary,
-            "ratios": {"scheduler_vs_dags_test": ratio(summary["scheduler"]["median_s"], base)},
+    summary = {name: s.summary() for name, s in {**series, "mark_failed": mark_failed}.items()}
+    return {
+        "epochs": args.epochs,
+        "repeats": args.repeats,
+        "startup_s": startup,
+        "scheduler_api_queued_to_end_s": [e["api_span_s"] for e in series["scheduler"].extra],
+        "variants": summary,
+        "ratios": {
+            "scheduler_vs_dags_test": ratio(
+                summary["scheduler"]["median_s"], summary["dags_test"]["median_s"]
+            )
         },
-        machine,
-    )
-    return 0
+    }
 
 
 def _span(start: str, end: str) -> float:
@@ -184,9 +158,7 @@ def render(doc: dict[str, Any]) -> str:
         f"{doc.get('repeats')}, alternating, after a warm-up run; the components were healthy "
         f"{pages.num(doc.get('startup_s'), 1)} s after start. Scheduler / `dags test`: "
         f"{pages.num(ratio, suffix='x')}.",
-        pages.table(
-            ["variant", "measured", "seconds", "min-max s", "runs"], pages.variant_rows(doc, labels)
-        ),
+        pages.measured(labels, doc["variants"]),
     ]
     return "\n\n".join(out) + pages.notes(doc.get("notes"))
 
@@ -206,5 +178,16 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+BENCH = pages.Benchmark(
+    name=NAME,
+    title=TITLE,
+    measure=measure,
+    render=render,
+    summary=summary_rows,
+    options=lambda parser: parser.add_argument("--epochs", type=int, default=5),
+    defaults={"repeats": 2, "warmup": 0},
+    quick=("--repeats=1", "--epochs=1"),
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))

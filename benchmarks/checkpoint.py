@@ -41,20 +41,19 @@ the save just wrote, so they come from the page cache; saves ``fsync`` their fil
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
-import json
 import os
 import shutil
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import common
 import pages
-from common import log, median, print_table, ratio
+from common import log, median, ratio
 
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
@@ -62,7 +61,6 @@ if __name__ == "__main__":  # not in a Spark worker that imports this module for
 NAME = "checkpoint"
 EXAMPLE = common.ROOT / "examples" / "ddp_train.py"
 BATCH = 64
-QUICK_SIZES = "10,50"
 
 
 # -- helpers shared by the driver process and the ranks (no benchmark module in them) --------
@@ -188,20 +186,22 @@ def one_process(
         log(f"one process: building a {mib} MiB state")
         model = make_state(mib, chunk_mib)
         expected = checksums(model)
-        samples: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
-        names = list(VARIANTS)
-        for index in range(repeats):
-            order = names[index % len(names) :] + names[: index % len(names)]
-            for name in order:
-                directory = os.path.join(root, f"one-{mib}-{index}-{name[:5]}")
-                gc.collect()
-                sample = VARIANTS[name](model, directory, expected)
+
+        def once(name: str, model: Any = model, expected: list[float] = expected) -> Any:
+            directory = tempfile.mkdtemp(prefix="one-", dir=root)
+            try:
+                return VARIANTS[name](model, directory, expected)
+            finally:
                 shutil.rmtree(directory, ignore_errors=True)
-                samples[name].append(sample)
-                log(
-                    f"one process {mib} MiB {name} {index + 1}/{repeats}: save "
-                    f"{sample['save_s']:.2f} s, load {sample['load_s']:.2f} s"
-                )
+
+        series = common.alternate(
+            {name: functools.partial(once, name) for name in VARIANTS},
+            repeats,
+            warmup=0,
+            check=lambda _name, sample: dict(sample),
+            settle_s=0,
+        )
+        samples = {name: s.extra for name, s in series.items()}
         results[str(mib)] = {
             name: summarize(mib, s, len(list(model.parameters()))) for name, s in samples.items()
         }
@@ -236,16 +236,7 @@ def summarize(mib: int, samples: list[dict[str, Any]], tensors: int) -> dict[str
 # -- two ranks -----------------------------------------------------------------------------
 def two_local_ranks(directory: str, timeout: float) -> Any:
     """The distributor of every 2-rank part: local mode, CPU, ``directory`` as checkpoint_dir."""
-    from sparktorch_ops import TorchDistributor
-
-    return TorchDistributor(
-        num_processes=2,
-        local_mode=True,
-        use_gpu=False,
-        checkpoint_dir=directory,
-        logger=common.quiet_logger(),
-        timeout=timeout,
-    )
+    return common.ours(checkpoint_dir=directory, timeout=timeout)
 
 
 def rank_sizes(sizes: list[int], repeats: int, chunk_mib: int) -> Any:
@@ -566,80 +557,10 @@ def save_vs_step(args: argparse.Namespace, root: str) -> dict[str, Any]:
     return results
 
 
-# -- output --------------------------------------------------------------------------------
-def write_json(path: str, payload: dict[str, Any], machine: dict[str, Any]) -> None:
-    """Like ``common.write_results``, to a path of one's choosing."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    document = {"benchmark": NAME, "machine": machine, "argv": sys.argv[1:], **payload}
-    target.write_text(json.dumps(document, indent=2, default=str) + "\n")
-    print(f"\nwrote {target}")
-
-
-def ms(seconds: float | None) -> float | None:
-    """Seconds to milliseconds (None stays None)."""
-    return None if seconds is None else seconds * 1000
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Parse the options, run the three parts, print the tables, write the JSON."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--sizes", default="100,1000", help="comma-separated state sizes, MiB")
-    parser.add_argument("--repeats", type=int, default=3, help="save+load runs per size")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"smoke run: sizes {QUICK_SIZES}, 2 repeats, fewer steps",
-    )
-    parser.add_argument("--chunk-mib", type=int, default=32, help="MiB per tensor of the state")
-    parser.add_argument("--steps", type=int, default=200, help="timed CNN training steps")
-    parser.add_argument("--warmup-steps", type=int, default=20)
-    parser.add_argument("--saves", type=int, default=20, help="timed CNN saves (after a first one)")
-    parser.add_argument(
-        "--epoch-steps",
-        default="10,15",
-        help="steps per rank per epoch for the overhead figure (the pipeline: 1200-1800 rows, "
-        "2 ranks, batch 64)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=max(1, (os.cpu_count() or 2) // 2),
-        help="torch threads of the one-process CNN part (default: what a rank of 2 gets)",
-    )
-    parser.add_argument(
-        "--no-ranks", dest="ranks", action="store_false", help="skip the 2-rank runs"
-    )
-    parser.add_argument(
-        "--epoch-length", type=int, default=15, help="steps per rank per epoch (epochs part)"
-    )
-    parser.add_argument("--epochs", type=int, default=10, help="epochs per round (epochs part)")
-    parser.add_argument(
-        "--epoch-rounds", type=int, default=7, help="rounds per variant (epochs part)"
-    )
-    parser.add_argument(
-        "--idle-ms",
-        type=float,
-        default=5.0,
-        help="epochs part, second setting: ms of sleep after each step (the CPU idle while a "
-        "GPU computes); 0 skips it",
-    )
-    parser.add_argument("--tmpdir", default=None, help="where the temporary directory goes")
-    parser.add_argument("--timeout", type=float, default=1800, help="per 2-rank run, seconds")
-    parser.add_argument("--name", default=NAME, help="results file name")
-    parser.add_argument("--json", default=None, help="write the results here instead")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.sizes = QUICK_SIZES if args.sizes == parser.get_default("sizes") else args.sizes
-        args.repeats = min(args.repeats, 2)
-        args.steps, args.warmup_steps, args.saves = 50, 5, 5
-        args.epochs, args.epoch_rounds = 3, 2
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     args.epoch_steps = [int(s) for s in args.epoch_steps.split(",") if s.strip()]
 
-    machine = common.machine_info()
     root = tempfile.mkdtemp(prefix="sparktorch-ckpt-bench-", dir=args.tmpdir)
     log(f"temporary directory {root}")
     try:
@@ -654,126 +575,6 @@ def main(argv: list[str] | None = None) -> int:
         epochs = epochs_part(args, root) if args.ranks else None
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-    rows = []
-    for mib in sizes:
-        for name, s in one[str(mib)].items():
-            rows.append(
-                [
-                    mib,
-                    name,
-                    s["tensors"],
-                    s["disk_mib"],
-                    s["save_median_s"],
-                    f"{s['save_min_s']:.2f}-{s['save_max_s']:.2f}",
-                    s["save_mib_per_s"],
-                    s["load_median_s"],
-                    f"{s['load_min_s']:.2f}-{s['load_max_s']:.2f}",
-                    s["load_mib_per_s"],
-                    s["runs"],
-                ]
-            )
-    print_table(
-        f"Checkpoint, one process (no process group), float32 state in {args.chunk_mib} MiB "
-        f"tensors; medians of {args.repeats}",
-        [
-            "MiB",
-            "variant",
-            "tensors",
-            "on disk MiB",
-            "save s",
-            "min-max",
-            "save MiB/s",
-            "load s",
-            "min-max",
-            "load MiB/s",
-            "runs",
-        ],
-        rows,
-    )
-    print(
-        "first call (1 MiB, discarded): "
-        + "; ".join(
-            f"{name} save {f['save_s']:.3f} s / load {f['load_s']:.3f} s"
-            for name, f in first_one.items()
-        )
-    )
-    if args.ranks:
-        print_table(
-            f"Checkpoint, 2 ranks (local mode, gloo, DDP-replicated state); medians of {args.repeats}",
-            [
-                "MiB",
-                "on disk MiB",
-                "files",
-                "save s rank 0",
-                "save s max",
-                "save MiB/s",
-                "load s rank 0",
-                "load s max",
-                "load MiB/s",
-                "runs",
-            ],
-            [
-                [
-                    mib,
-                    r["disk_mib"],
-                    r["files"],
-                    r["save_rank0_median_s"],
-                    r["save_max_median_s"],
-                    r["save_mib_per_s"],
-                    r["load_rank0_median_s"],
-                    r["load_max_median_s"],
-                    r["load_mib_per_s"],
-                    r["runs"],
-                ]
-                for mib, r in ((m, ranks[str(m)]) for m in sizes)
-            ],
-        )
-        assert first_ranks is not None
-        print(
-            f"first call on the ranks (1 MiB, discarded): save {first_ranks['save_max_median_s']:.3f} s"
-            f" / load {first_ranks['load_max_median_s']:.3f} s (slowest rank); MiB/s: state size"
-            " over the slowest rank's time"
-        )
-
-    cnn_rows = []
-    settings = [("one process", cnn["one_process"])]
-    if "two_ranks" in cnn:
-        settings.append(("2 ranks, DDP (slowest rank)", cnn["two_ranks"]))
-    for label, c in settings:
-        cnn_rows.append(
-            [
-                label,
-                c["torch_threads"],
-                ms(c["step_median_s"]),
-                ms(c["save_median_s"]),
-                c["save_over_step"],
-                *(
-                    f"{100 * (c['epoch_with_save_over_without'][str(n)] - 1):.0f}%"
-                    for n in args.epoch_steps
-                ),
-                c["disk_bytes"] / 1024,
-            ]
-        )
-    print_table(
-        f"Save vs training step: DigitsCNN ({cnn['one_process']['params']:,} parameters), batch "
-        f"{BATCH}, SGD momentum; medians of {args.steps} steps and {args.saves} saves",
-        [
-            "setting",
-            "threads",
-            "step ms",
-            "save ms",
-            "save / step",
-            *(f"+epoch @{n} steps" for n in args.epoch_steps),
-            "on disk KiB",
-        ],
-        cnn_rows,
-    )
-    print(
-        "+epoch @N steps: what one save per epoch adds to an epoch of N training steps per rank "
-        "(the pipeline: 1200-1800 rows over 2 ranks at batch 64 = 10-15 steps); data loading "
-        "and the epoch's all-reduce are not counted, so the real share is smaller."
-    )
 
     payload = {
         "sizes_mib": sizes,
@@ -798,58 +599,64 @@ def main(argv: list[str] | None = None) -> int:
             "between barriers; 'max' is the slowest rank per run, then the median over runs."
         ),
     }
-    if args.json:
-        write_json(args.json, payload, machine)
-    else:
-        common.write_results(args.name, payload, machine)
-    log("done")
-    return 0
+    return payload
 
 
 # -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
 TITLE = "Checkpoint"
 
 
-def render(doc: dict[str, Any]) -> str:
-    """This benchmark\'s section of benchmarks/README.md, from its JSON."""
-    reference = "torch.save (reference)"
-    one_rows = []
-    for size, variants in doc.get("one_process", {}).items():
-        ref = variants.get(reference, {})
-        for name, s in variants.items():
-            vs_ref = (
-                f"{pages.num(pages.ratio_of(s.get('save_median_s'), ref.get('save_median_s')), suffix='x')} / "
-                f"{pages.num(pages.ratio_of(s.get('load_median_s'), ref.get('load_median_s')), suffix='x')}"
-                if name != reference and ref
-                else "-"
-            )
-            one_rows.append(
-                [
-                    f"{int(size):,}",
-                    f"`{name}`",
-                    str(s.get("tensors", "-")),
-                    pages.num(s.get("disk_mib"), 1),
-                    pages.num(s.get("save_median_s")),
-                    pages.min_max(s, "save"),
-                    pages.num(s.get("save_mib_per_s"), 0),
-                    pages.num(s.get("load_median_s")),
-                    pages.min_max(s, "load"),
-                    pages.num(s.get("load_mib_per_s"), 0),
-                    vs_ref,
-                    str(s.get("runs")),
-                ]
-            )
-    first = doc.get("one_process_first_call") or {}
-    first_line = (
-        "\n\nFirst call (1 MiB, discarded, not in the table): "
-        + "; ".join(
-            f"`{name}` save {pages.num(f.get('save_s'))} s / load {pages.num(f.get('load_s'))} s"
-            for name, f in first.items()
-        )
-        + "."
-        if first
-        else ""
+def _label(setting: dict[str, Any]) -> str:
+    idle = setting.get("idle_ms_per_step")
+    return "CPU-bound" if not idle else f"+{idle:g} ms idle per step"
+
+
+def _over_none(v: dict[str, Any]) -> str:
+    return (
+        f"{pages.num(v.get('over_none_median'), 3, 'x')} "
+        f"({pages.num(v.get('over_none_min'), 3)}-{pages.num(v.get('over_none_max'), 3)})"
     )
+
+
+def render(doc: dict[str, Any]) -> str:
+    """This benchmark's section of benchmarks/README.md, from its JSON."""
+    reference = "torch.save (reference)"
+    one = {
+        f"{int(size):,} `{name}`": {
+            **s,
+            "ref": variants.get(reference, {}),
+            "reference": name == reference,
+        }
+        for size, variants in doc.get("one_process", {}).items()
+        for name, s in variants.items()
+    }
+
+    def vs_ref(s: dict[str, Any], what: str) -> str:
+        ref = pages.ratio_of(s.get(f"{what}_median_s"), s["ref"].get(f"{what}_median_s"))
+        return pages.num(ref, suffix="x")
+
+    one_cols: list[pages.Column] = [
+        ("MiB", lambda n, _s: n.split(" ")[0]),
+        ("variant", lambda n, _s: n.split(" ", 1)[1]),
+        ("tensors", lambda _n, s: str(s.get("tensors", "-"))),
+        ("on disk MiB", pages.field_("disk_mib", 1)),
+        ("save s", pages.field_("save_median_s")),
+        ("min-max s", lambda _n, s: pages.spread(s, "save")),
+        ("save MiB/s", pages.field_("save_mib_per_s", 0)),
+        ("load s", pages.field_("load_median_s")),
+        ("min-max s", lambda _n, s: pages.spread(s, "load")),
+        ("load MiB/s", pages.field_("load_mib_per_s", 0)),
+        (
+            "vs torch.save",
+            lambda _n, s: (
+                "-"
+                if s["reference"] or not s["ref"]
+                else f"{vs_ref(s, 'save')} / {vs_ref(s, 'load')}"
+            ),
+        ),
+        ("runs", lambda _n, s: str(s.get("runs"))),
+    ]
+    first = doc.get("one_process_first_call") or {}
     out = [
         "`sparktorch_ops.checkpoint`: `save(TrainingState(model), 0)` into a fresh directory, "
         "then `load_latest` into the zeroed model (checked against checksums), of a float32 "
@@ -858,68 +665,45 @@ def render(doc: dict[str, Any]) -> str:
         "alternate with it as the reference. *vs torch.save*: our time / its time "
         "(save / load).\n\n"
         "**One process** (no process group):\n\n"
-        + pages.table(
-            [
-                "MiB",
-                "variant",
-                "tensors",
-                "on disk MiB",
-                "save s",
-                "min-max s",
-                "save MiB/s",
-                "load s",
-                "min-max s",
-                "load MiB/s",
-                "vs torch.save",
-                "runs",
-            ],
-            one_rows,
+        + pages.columns(one_cols, one)
+        + (
+            "\n\nFirst call (1 MiB, discarded, not in the table): "
+            + "; ".join(
+                f"`{name}` save {pages.num(f.get('save_s'))} s / load {pages.num(f.get('load_s'))} s"
+                for name, f in first.items()
+            )
+            + "."
+            if first
+            else ""
         )
-        + first_line
     ]
     ranks = doc.get("two_ranks") or {}
     if ranks:
-        rank_rows = []
-        for size, s in ranks.items():
+
+        def checked(_n: str, s: dict[str, Any]) -> str:
             samples = [x for rank in s.get("per_rank", []) for x in rank]
-            ok = sum(1 for x in samples if x.get("ok"))
-            rank_rows.append(
-                [
-                    f"{int(size):,}",
-                    pages.num(s.get("disk_mib"), 1),
-                    str(s.get("files", "-")),
-                    pages.num(s.get("save_rank0_median_s")),
-                    pages.num(s.get("save_max_median_s")),
-                    pages.num(s.get("save_mib_per_s"), 0),
-                    pages.num(s.get("load_rank0_median_s")),
-                    pages.num(s.get("load_max_median_s")),
-                    pages.num(s.get("load_mib_per_s"), 0),
-                    f"{ok}/{len(samples)}",
-                    str(s.get("runs")),
-                ]
-            )
+            return f"{sum(1 for x in samples if x.get('ok'))}/{len(samples)}"
+
+        rank_cols: list[pages.Column] = [
+            ("MiB", lambda n, _s: f"{int(n):,}"),
+            ("on disk MiB", pages.field_("disk_mib", 1)),
+            ("files", lambda _n, s: str(s.get("files", "-"))),
+            ("save s, rank 0", pages.field_("save_rank0_median_s")),
+            ("save s, slowest", pages.field_("save_max_median_s")),
+            ("save MiB/s", pages.field_("save_mib_per_s", 0)),
+            ("load s, rank 0", pages.field_("load_rank0_median_s")),
+            ("load s, slowest", pages.field_("load_max_median_s")),
+            ("load MiB/s", pages.field_("load_mib_per_s", 0)),
+            ("loads checked", checked),
+            ("runs", lambda _n, s: str(s.get("runs"))),
+        ]
         first_ranks = doc.get("two_ranks_first_call") or {}
         out.append(
             "**2 ranks**: `TorchDistributor(num_processes=2, local_mode=True, use_gpu=False, "
             "checkpoint_dir=...)`, the same state in DDP on every rank (replicated: DCP writes one "
             "copy, spread over the ranks); every rank times its own call between barriers. "
             "*slowest*: the slower rank per run, then the median; MiB/s from that time.\n\n"
-            + pages.table(
-                [
-                    "MiB",
-                    "on disk MiB",
-                    "files",
-                    "save s, rank 0",
-                    "save s, slowest",
-                    "save MiB/s",
-                    "load s, rank 0",
-                    "load s, slowest",
-                    "load MiB/s",
-                    "loads checked",
-                    "runs",
-                ],
-                rank_rows,
-            )
+            + pages.columns(rank_cols, ranks)
             + (
                 f"\n\nFirst call on the ranks ({first_ranks.get('state_mib')} MiB, discarded): "
                 f"save {pages.num(first_ranks.get('save_max_median_s'))} s / load "
@@ -931,29 +715,39 @@ def render(doc: dict[str, Any]) -> str:
     cnn = doc.get("save_vs_step") or {}
     assumptions = doc.get("assumptions") or {}
     epoch_steps = assumptions.get("epoch_steps_per_rank") or []
-    settings = [("one process", cnn.get("one_process")), ("2 ranks, DDP", cnn.get("two_ranks"))]
-    cnn_rows = []
-    for label, c in settings:
-        if not c:
-            continue
-        growth = c.get("epoch_with_save_over_without") or {}
-        first_save = c.get("first_save_s", c.get("first_save_max_s"))
-        cnn_rows.append(
-            [
-                label,
-                str(c.get("torch_threads", "-")),
-                pages.ms(c.get("step_median_s")),
-                pages.ms(c.get("save_median_s")),
-                pages.num(c.get("save_over_step"), 1, "x"),
-                *(
-                    f"+{100 * (growth[str(n)] - 1):.0f}%" if growth.get(str(n)) is not None else "-"
-                    for n in epoch_steps
-                ),
-                pages.ms(first_save),
-                pages.num(c["disk_bytes"] / 1024, 0) if c.get("disk_bytes") else "-",
-            ]
+    settings = {
+        k: c
+        for k, c in (
+            ("one process", cnn.get("one_process")),
+            ("2 ranks, DDP", cnn.get("two_ranks")),
         )
-    if cnn_rows:
+        if c
+    }
+    if settings:
+
+        def growth(n: int) -> pages.Column:
+            def cell(_n: str, c: dict[str, Any]) -> str:
+                value = (c.get("epoch_with_save_over_without") or {}).get(str(n))
+                return f"+{100 * (value - 1):.0f}%" if value is not None else "-"
+
+            return (f"epoch of {n} steps, + one save", cell)
+
+        cnn_cols: list[pages.Column] = [
+            ("setting", lambda n, _c: n),
+            ("torch threads", lambda _n, c: str(c.get("torch_threads", "-"))),
+            ("step ms", lambda _n, c: pages.ms(c.get("step_median_s"))),
+            ("save ms", lambda _n, c: pages.ms(c.get("save_median_s"))),
+            ("save / step", pages.field_("save_over_step", 1, "x")),
+            *(growth(n) for n in epoch_steps),
+            (
+                "first save ms",
+                lambda _n, c: pages.ms(c.get("first_save_s", c.get("first_save_max_s"))),
+            ),
+            (
+                "on disk KiB",
+                lambda _n, c: pages.num(c["disk_bytes"] / 1024, 0) if c.get("disk_bytes") else "-",
+            ),
+        ]
         single = cnn.get("one_process") or {}
         out.append(
             "**Save vs training step**: `DigitsCNN` of `examples/ddp_train.py` "
@@ -963,39 +757,25 @@ def render(doc: dict[str, Any]) -> str:
             f"{len(single.get('save_s', []))} saves of `TrainingState(model, optimizer, "
             "losses=[...])` with `keep=3` (pruning included), after a first save not counted. "
             "On 2 ranks, the slower rank per step and per save.\n\n"
-            + pages.table(
-                [
-                    "setting",
-                    "torch threads",
-                    "step ms",
-                    "save ms",
-                    "save / step",
-                    *(f"epoch of {n} steps, + one save" for n in epoch_steps),
-                    "first save ms",
-                    "on disk KiB",
-                ],
-                cnn_rows,
-            )
+            + pages.columns(cnn_cols, settings)
             + f"\n\nAssumption: {assumptions.get('epoch', '-')}; "
             f"{assumptions.get('save_frequency', '-')}. *epoch of N steps, + one save*: what the "
             "save adds to the time of N training steps per rank; data loading and the rest of an "
             "epoch are not counted, so the real share is smaller."
         )
-    settings = (doc.get("epochs") or {}).get("settings") or []
-    if settings:
-        first = settings[0]
+    epochs = (doc.get("epochs") or {}).get("settings") or []
+    if epochs:
+        first = epochs[0]
         rows = [
             [
-                "CPU-bound"
-                if not setting.get("idle_ms_per_step")
-                else f"+{setting['idle_ms_per_step']:g} ms idle per step",
+                _label(setting),
                 name,
                 pages.num(v.get("epoch_median_s"), 3),
                 f"{pages.num(v.get('epoch_min_s'), 3)}-{pages.num(v.get('epoch_max_s'), 3)}",
                 pages.num(v.get("over_none_median"), 3, "x"),
                 f"{pages.num(v.get('over_none_min'), 3)}-{pages.num(v.get('over_none_max'), 3)}",
             ]
-            for setting in settings
+            for setting in epochs
             for name, v in setting.get("variants", {}).items()
         ]
         out.append(
@@ -1009,17 +789,11 @@ def render(doc: dict[str, Any]) -> str:
             "a background write takes its CPU from training; *idle per step*: a sleep after "
             "each step leaves the CPU free part of the time, as while a GPU computes.\n\n"
             + pages.table(
-                ["steps", "variant", "epoch s", "min-max s", "vs no checkpoint", "min-max"],
-                rows,
+                ["steps", "variant", "epoch s", "min-max s", "vs no checkpoint", "min-max"], rows
             )
             + _render_before(doc)
         )
     return "\n\n".join(out) + pages.notes(doc.get("notes"))
-
-
-def _setting_label(setting: dict[str, Any]) -> str:
-    idle = setting.get("idle_ms_per_step")
-    return "CPU-bound" if not idle else f"+{idle:g} ms idle per step"
 
 
 def _render_before(doc: dict[str, Any]) -> str:
@@ -1028,26 +802,13 @@ def _render_before(doc: dict[str, Any]) -> str:
     before = doc.get("before")
     if not before:
         return ""
-    earlier = {_setting_label(s): s.get("variants", {}) for s in before["epochs"]["settings"]}
-    rows = []
-    for setting in doc["epochs"]["settings"]:
-        label = _setting_label(setting)
-        for name, after in setting.get("variants", {}).items():
-            then = earlier.get(label, {}).get(name)
-            if name == EPOCH_VARIANTS[0] or then is None:
-                continue
-            rows.append(
-                [
-                    label,
-                    name,
-                    *(
-                        f"{pages.num(v.get('over_none_median'), 3, 'x')} "
-                        f"({pages.num(v.get('over_none_min'), 3)}-"
-                        f"{pages.num(v.get('over_none_max'), 3)})"
-                        for v in (then, after)
-                    ),
-                ]
-            )
+    earlier = {_label(s): s.get("variants", {}) for s in before["epochs"]["settings"]}
+    rows = [
+        [_label(setting), name, _over_none(earlier[_label(setting)][name]), _over_none(after)]
+        for setting in doc["epochs"]["settings"]
+        for name, after in setting.get("variants", {}).items()
+        if name != EPOCH_VARIANTS[0] and name in earlier.get(_label(setting), {})
+    ]
     return (
         f"\n\nBefore ({before.get('code')}) and after ({doc['machine'].get('git_commit')}): the epochs part of "
         f"this benchmark, run one process after the other on this machine "
@@ -1109,21 +870,66 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
                 + ")",
             ]
         )
-        return rows
-    cnn = doc.get("save_vs_step", {}).get("two_ranks")
-    steps = doc.get("assumptions", {}).get("epoch_steps_per_rank") or []
-    growth = (cnn or {}).get("epoch_with_save_over_without") or {}
-    if cnn and steps and all(growth.get(str(n)) is not None for n in steps):
-        rows.append(
-            [
-                "checkpoint every epoch, example DigitsCNN",
-                f"epoch time with the save / without ({'; '.join(map(str, steps))} steps per rank)",
-                "; ".join(pages.num(growth[str(n)], suffix="x") for n in steps),
-                "-",
-            ]
-        )
     return rows
 
 
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default="100,1000", help="comma-separated state sizes, MiB")
+    parser.add_argument("--chunk-mib", type=int, default=32, help="MiB per tensor of the state")
+    parser.add_argument("--steps", type=int, default=200, help="timed CNN training steps")
+    parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--saves", type=int, default=20, help="timed CNN saves (after a first one)")
+    parser.add_argument(
+        "--epoch-steps",
+        default="10,15",
+        help="steps per rank per epoch for the overhead figure (the pipeline: 1200-1800 rows, "
+        "2 ranks, batch 64)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="torch threads of the one-process CNN part (default: what a rank of 2 gets)",
+    )
+    parser.add_argument(
+        "--no-ranks", dest="ranks", action="store_false", help="skip the 2-rank runs"
+    )
+    parser.add_argument(
+        "--epoch-length", type=int, default=15, help="steps per rank per epoch (epochs part)"
+    )
+    parser.add_argument("--epochs", type=int, default=10, help="epochs per round (epochs part)")
+    parser.add_argument(
+        "--epoch-rounds", type=int, default=7, help="rounds per variant (epochs part)"
+    )
+    parser.add_argument(
+        "--idle-ms",
+        type=float,
+        default=5.0,
+        help="epochs part, second setting: ms of sleep after each step (the CPU idle while a "
+        "GPU computes); 0 skips it",
+    )
+    parser.add_argument("--tmpdir", default=None, help="where the temporary directory goes")
+
+
+BENCH = pages.Benchmark(
+    name=NAME,
+    title=TITLE,
+    measure=measure,
+    render=render,
+    summary=summary_rows,
+    options=options,
+    defaults={"repeats": 3, "timeout": 1800},
+    quick=(
+        "--sizes=10,50",
+        "--repeats=2",
+        "--steps=50",
+        "--warmup-steps=5",
+        "--saves=5",
+        "--epochs=3",
+        "--epoch-rounds=2",
+    ),
+    headline=True,
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))

@@ -26,18 +26,19 @@ state.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import common
 import pages
-from common import Series, log, print_table, ratio
+from common import ratio
 
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
@@ -52,19 +53,14 @@ TARGETS = {"barrier": 0.8}  # the cold barrier run over bare torchrun, at most
 WARM_TARGETS = {"local": 0.3, "barrier": 0.6}  # warm runs, as the launch benchmark's goals
 MODES = ("local", "barrier", "connect_fresh", "connect_warm")
 
-# What a fresh interpreter runs: argv = mode, Connect URL (or "-"), output file. Only the
-# public API of sparktorch_ops and pyspark: any checkout runs it.
+# What a fresh interpreter runs: argv = mode, Connect URL (or "-"), output file, this folder
+# (for the job, ``jobs.allreduce``). Only the public API of sparktorch_ops and pyspark: any
+# checkout runs it.
 CHILD = """
 import json, sys, time
-mode, url, out = sys.argv[1:4]
-
-def allreduce():
-    import torch, torch.distributed as dist
-    dist.init_process_group("gloo")
-    value = torch.tensor([float(dist.get_rank() + 1)])
-    dist.all_reduce(value)
-    dist.destroy_process_group()
-    return value.item()
+mode, url, out, bench = sys.argv[1:5]
+sys.path.insert(0, bench)
+from jobs import allreduce
 
 spark = None
 if mode == "barrier":
@@ -100,7 +96,7 @@ def run_child(python: str, cwd: Path, mode: str, url: str | None) -> list[dict[s
         out = Path(directory, "runs.json")
         env = {**os.environ, "PYSPARK_PYTHON": python, "PYSPARK_DRIVER_PYTHON": python}
         proc = subprocess.run(
-            [python, "-c", CHILD, mode, url or "-", str(out)],
+            [python, "-c", CHILD, mode, url or "-", str(out), str(common.BENCH_DIR)],
             cwd=cwd,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -126,102 +122,77 @@ def start_connect_server(directory: Path) -> ConnectServer:
     return server
 
 
-def measure(
-    trees: dict[str, Path], repeats: int, connect: bool
-) -> tuple[dict[str, Series], dict[str, list[dict[str, Any]]], dict[str, list[list[Any]]]]:
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Rounds of every variant: each variant's cold seconds (and warm ones), and one cold
     barrier run's phase events per tree."""
-    names = [BASELINE] + [f"{tree}_{mode}" for tree in trees for mode in MODES]
-    if not connect:
-        names = [name for name in names if "connect" not in name]
-    cold = {name: Series(name) for name in names}
-    warm: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    timelines: dict[str, list[list[Any]]] = {}
-    script = common.BENCH_DIR / "jobs.py"
-    for round_index in range(-1, repeats):
-        label = "warm-up" if round_index < 0 else f"round {round_index + 1}/{repeats}"
-        servers: dict[str, ConnectServer] = {}
-        with tempfile.TemporaryDirectory(prefix="cold-start-servers-") as scratch:
-            try:
-                if connect:  # one server per tree per round: each tree's first run is a fresh
-                    for tree in trees:  # server's first
-                        servers[tree] = start_connect_server(Path(scratch) / tree)
-                order = names[round_index % len(names) :] + names[: round_index % len(names)]
-                # A fresh server's first run comes before that server's warm one.
-                order.sort(key=lambda n: n.endswith("connect_warm"))
-                for name in order:
-                    time.sleep(0.5)
-                    try:
-                        if name == BASELINE:
-                            started = time.perf_counter()
-                            common.run_torchrun(script, ["allreduce"])
-                            seconds, second = time.perf_counter() - started, None
-                        else:
-                            tree, mode = name.split("_", 1)
-                            python = str(trees[tree] / ".venv" / "bin" / "python")
-                            server = servers.get(tree)
-                            runs = run_child(
-                                python, trees[tree], mode, server.url if server else None
-                            )
-                            seconds, second = runs[0]["seconds"], runs[1]
-                            if mode == "barrier":
-                                timelines.setdefault(tree, runs[0]["events"])
-                    except Exception as exc:
-                        log(f"{label} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
-                        if round_index >= 0:
-                            cold[name].errors.append(f"{type(exc).__name__}: {str(exc)[:2000]}")
-                        continue
-                    log(f"{label} {name}: {seconds:.2f} s")
-                    if round_index >= 0:
-                        cold[name].seconds.append(seconds)
-                        if second is not None:
-                            warm[name].append(second)
-            finally:
-                for server in servers.values():
-                    server.stop()
-    return cold, warm, timelines
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--before", type=Path, help="another checkout, run as 'before'")
-    parser.add_argument("--no-connect", action="store_true", help="skip the Connect variants")
-    args = parser.parse_args(argv)
     trees = {"ours": common.ROOT}
     if args.before is not None:
         trees["before"] = args.before.resolve()
-    machine = common.machine_info()
-    cold, warm, timelines = measure(trees, args.repeats, connect=not args.no_connect)
-    base = common.median(cold[BASELINE].seconds)
+    names = [BASELINE] + [f"{tree}_{mode}" for tree in trees for mode in MODES]
+    if args.no_connect:
+        names = [name for name in names if "connect" not in name]
+    servers: dict[str, ConnectServer] = {}
+    timelines: dict[str, list[list[Any]]] = {}
+
+    @contextlib.contextmanager
+    def each_round() -> Iterator[None]:
+        # One server per tree per round: each tree's first run is a fresh server's first.
+        with tempfile.TemporaryDirectory(prefix="cold-start-servers-") as scratch:
+            try:
+                for tree in trees if not args.no_connect else ():
+                    servers[tree] = start_connect_server(Path(scratch) / tree)
+                yield
+            finally:
+                for server in servers.values():
+                    server.stop()
+                servers.clear()
+
+    def variant(name: str) -> Any:
+        if name == BASELINE:
+            return lambda: common.run_torchrun(common.JOBS_SCRIPT, ["allreduce"])
+        tree, mode = name.split("_", 1)
+        python = str(trees[tree] / ".venv" / "bin" / "python")
+
+        def run() -> list[dict[str, Any]]:
+            server = servers.get(tree)
+            runs = run_child(python, trees[tree], mode, server.url if server else None)
+            if mode == "barrier":
+                timelines.setdefault(tree, runs[0]["events"])
+            return runs
+
+        return run
+
+    series = common.alternate(
+        {name: variant(name) for name in names},
+        args.repeats,
+        warmup=args.warmup,
+        # the cold run's own seconds, from the call (the child's interpreter and session apart)
+        check=lambda name, runs: (
+            {"seconds": runs[0]["seconds"], "warm_s": runs[1]["seconds"]}
+            if name != BASELINE
+            else None
+        ),
+        settle_s=args.settle,
+        each_round=each_round,
+        # A fresh server's first run comes before that server's warm one.
+        order=lambda names: sorted(names, key=lambda n: n.endswith("connect_warm")),
+    )
+    base = common.median(series[BASELINE].seconds)
     variants = {}
-    for name, series in cold.items():
-        summary = series.summary()
+    for name, s in series.items():
+        summary = s.summary()
         summary["ratio"] = ratio(summary["median_s"], base)
-        warm_s = [one["seconds"] for one in warm[name]]
+        warm_s = [one["warm_s"] for one in s.extra]
         summary["warm_median_s"] = common.median(warm_s)
         summary["warm_ratio"] = ratio(summary["warm_median_s"], base)
-        summary["warm_seconds"] = [round(s, 4) for s in warm_s]
+        summary["warm_seconds"] = [round(x, 4) for x in warm_s]
         variants[name] = summary
-    print_table(
-        f"cold start, trivial 2-rank all-reduce (median of {args.repeats})",
-        ["variant", "cold s", "x torchrun", "warm s", "x torchrun"],
-        [
-            [n, v["median_s"], v["ratio"], v["warm_median_s"], v["warm_ratio"]]
-            for n, v in variants.items()
-        ],
-    )
-    common.write_results(
-        NAME,
-        {
-            "repeats": args.repeats,
-            "trees": {tree: str(path) for tree, path in trees.items()},
-            "variants": variants,
-            "timelines": timelines,
-        },
-        machine,
-    )
-    return 0
+    return {
+        "repeats": args.repeats,
+        "trees": {tree: str(path) for tree, path in trees.items()},
+        "variants": variants,
+        "timelines": timelines,
+    }
 
 
 def _phases(events: list[list[Any]]) -> list[list[str]]:
@@ -298,5 +269,22 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--before", type=Path, help="another checkout, run as 'before'")
+    parser.add_argument("--no-connect", action="store_true", help="skip the Connect variants")
+
+
+BENCH = pages.Benchmark(
+    name=NAME,
+    title=TITLE,
+    measure=measure,
+    render=render,
+    summary=summary_rows,
+    options=options,
+    defaults={"repeats": 3},
+    quick=("--repeats=1", "--warmup=0", "--no-connect"),
+    headline=True,
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))

@@ -1,12 +1,18 @@
-"""Shared helpers of the benchmarks: environment, timing, Spark, bare torchrun, RSS, output.
+"""What every benchmark shares: the one runner (:func:`main`), the alternating rounds
+(:func:`alternate`), the environment, Spark, bare torchrun and memory helpers.
 
-Each benchmark alternates its variants round by round (so drift of a shared machine hits all
-of them alike), prints a table and writes ``benchmarks/results/<name>.json`` with the machine
-it ran on.
+A benchmark declares a :class:`pages.Benchmark`; ``python benchmarks/<name>.py`` runs
+``common.main(BENCH)``, which parses the common options and the benchmark's own, measures,
+writes ``benchmarks/results/<name>.json`` and prints the benchmark's section as the page shows
+it. Every results file has one shape: ``benchmark`` (its name), ``machine``
+(:func:`machine_info`), ``argv``, then the benchmark's settings (``repeats``...) and figures;
+where variants alternate, ``variants`` maps each name to :meth:`Series.summary` and the
+benchmark's own figures of it, and ``notes`` says how it was measured.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import gc
@@ -25,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pages
 import psutil
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -160,42 +167,52 @@ def ratio(value: float | None, base: float | None) -> float | None:
     return value / base
 
 
-def fmt(value: Any, digits: int = 2) -> str:
-    """A table cell: floats rounded, None as '-'."""
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """Print a plain-text table (right-aligned numbers)."""
-    cells = [[fmt(c) for c in row] for row in rows]
-    widths = [
-        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)
-    ]
-    print(f"\n{title}")
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
-    print("  ".join("-" * w for w in widths))
-    for row in cells:
-        print(
-            "  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w)
-                for i, (c, w) in enumerate(zip(row, widths, strict=True))
-            )
-        )
-    sys.stdout.flush()
-
-
-def write_results(name: str, payload: dict[str, Any], machine: dict[str, Any]) -> Path:
-    """Write ``benchmarks/results/<name>.json`` (machine info included); return its path."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+def write_results(
+    path: Path, name: str, payload: dict[str, Any], machine: dict[str, Any]
+) -> dict[str, Any]:
+    """Write a results file (the machine and the command line included); return its document."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     document = {"benchmark": name, "machine": machine, "argv": sys.argv[1:], **payload}
     path.write_text(json.dumps(document, indent=2, default=str) + "\n")
     print(f"\nwrote {path}")
-    return path
+    loaded: dict[str, Any] = json.loads(path.read_text())
+    return loaded
+
+
+def main(bench: pages.Benchmark, argv: list[str] | None = None) -> int:
+    """Run one benchmark: its options, its measurement, its JSON, its section on the console.
+
+    Exit status 1 when a variant has no run that worked.
+    """
+    parser = argparse.ArgumentParser(
+        description=sys.modules[bench.measure.__module__].__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="measured rounds")
+    parser.add_argument("--warmup", type=int, default=1, help="discarded rounds first")
+    parser.add_argument("--settle", type=float, default=0.5, help="seconds of pause between runs")
+    parser.add_argument("--timeout", type=float, default=600, help="per run, seconds")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"the smallest run of every part ({' '.join(bench.quick)}), to quick_<name>.json",
+    )
+    parser.add_argument("--name", default=bench.name, help="results file name (no .json)")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS_DIR / bench.folder, help="results folder"
+    )
+    if bench.options is not None:
+        bench.options(parser)
+    parser.set_defaults(**bench.defaults)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args([*bench.quick, *argv] if "--quick" in argv else argv)
+    if args.quick and args.name == bench.name:  # never over the committed figures
+        args.name = f"quick_{bench.name}"
+    machine = machine_info()
+    doc = write_results(args.out / f"{args.name}.json", bench.name, bench.measure(args), machine)
+    print("\n" + pages.section(bench, doc), flush=True)
+    variants = doc.get("variants") or {}
+    return 1 if any(v.get("runs") == 0 for v in variants.values() if isinstance(v, dict)) else 0
 
 
 def log(message: str) -> None:
@@ -219,6 +236,8 @@ def alternate(
     check: Callable[[str, Any], dict[str, Any] | None] | None = None,
     settle_s: float = 0.5,
     before_each: Callable[[str], Any] | None = None,
+    each_round: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    order: Callable[[list[str]], list[str]] = list,
 ) -> dict[str, Series]:
     """Run every variant once per round, ``repeats`` rounds, rotating the order each round.
 
@@ -229,41 +248,46 @@ def alternate(
         variants: name -> a function that runs the variant once.
         repeats: measured rounds.
         warmup: discarded rounds first.
-        check: called with (name, returned value); may return extra figures to keep, and
-            raises when the value is wrong (which counts as an error of that run).
+        check: called with (name, returned value); may return extra figures to keep (a
+            ``seconds`` figure replaces the wall time, for variants timed from elsewhere, such
+            as a process's start), and raises when the value is wrong (an error of that run).
         settle_s: pause between runs, so one run's exit does not overlap the next's start.
         before_each: called (untimed) with the variant's name before each of its runs, e.g.
             to call :func:`touch_python_workers`.
+        each_round: a context for each round (e.g. servers started fresh for it).
+        order: the round's rotated order -> the order to run (for variants that must follow
+            another of the same round).
     """
     series = {name: Series(name) for name in variants}
     names = list(variants)
     for round_index in range(-warmup, repeats):
         shift = round_index % len(names)
-        order = names[shift:] + names[:shift]
-        for name in order:
-            gc.collect()
-            if before_each is not None:
-                before_each(name)
-            time.sleep(settle_s)
-            label = "warm-up" if round_index < 0 else f"round {round_index + 1}/{repeats}"
-            try:
-                cpu_before = os.times()
-                seconds, value = timed(variants[name])
-                cpu_after = os.times()
-                extra = check(name, value) if check is not None else None
-            except Exception as exc:
-                log(f"{label} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+        with each_round():
+            for name in order(names[shift:] + names[:shift]):
+                gc.collect()
+                if before_each is not None:
+                    before_each(name)
+                time.sleep(settle_s)
+                label = "warm-up" if round_index < 0 else f"round {round_index + 1}/{repeats}"
+                try:
+                    cpu_before = os.times()
+                    seconds, value = timed(variants[name])
+                    cpu_after = os.times()
+                    extra = (check(name, value) if check is not None else None) or {}
+                except Exception as exc:
+                    log(f"{label} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+                    if round_index >= 0:
+                        series[name].errors.append(f"{type(exc).__name__}: {str(exc)[:2000]}")
+                    continue
+                seconds = extra.pop("seconds", seconds)
+                log(f"{label} {name}: {seconds:.2f} s")
                 if round_index >= 0:
-                    series[name].errors.append(f"{type(exc).__name__}: {str(exc)[:2000]}")
-                continue
-            log(f"{label} {name}: {seconds:.2f} s")
-            if round_index >= 0:
-                series[name].seconds.append(seconds)
-                driver, tree = cpu_seconds(cpu_before, cpu_after)
-                series[name].driver_cpu.append(driver)
-                series[name].tree_cpu.append(tree)
-                if extra:
-                    series[name].extra.append(extra)
+                    series[name].seconds.append(seconds)
+                    driver, tree = cpu_seconds(cpu_before, cpu_after)
+                    series[name].driver_cpu.append(driver)
+                    series[name].tree_cpu.append(tree)
+                    if extra:
+                        series[name].extra.append(extra)
     return series
 
 
@@ -431,6 +455,16 @@ def start_spark(master: str = "local[2]", app_name: str = "sparktorch-ops-bench"
     return session
 
 
+def warm_python_workers_option(parser: argparse.ArgumentParser) -> None:
+    """``--no-warm-python-workers``: whether :func:`touch_python_workers` runs before each run."""
+    parser.add_argument(
+        "--no-warm-python-workers",
+        dest="warm_python_workers",
+        action="store_false",
+        help="let Spark reap its idle Python workers between runs (barrier runs then start cold)",
+    )
+
+
 def touch_python_workers(session: Any) -> None:
     """Run a tiny job on every slot, so Spark's idle Python workers are not reaped.
 
@@ -447,11 +481,32 @@ def touch_python_workers(session: Any) -> None:
         sc.setLocalProperty("spark.job.description", None)
 
 
+def ours(**options: Any) -> Any:
+    """Our TorchDistributor as the benchmarks run it: 2 ranks, local mode, CPU, a logger that
+    drops the lines (built, as in a pipeline); ``options`` change any of these."""
+    from sparktorch_ops import TorchDistributor
+
+    defaults = {"num_processes": 2, "local_mode": True, "use_gpu": False, "logger": quiet_logger()}
+    return TorchDistributor(**{**defaults, **options})
+
+
 def pyspark_distributor(local_mode: bool, num_processes: int = 2) -> Any:
     """pyspark's own TorchDistributor on the active session, on CPU."""
     from pyspark.ml.torch.distributor import TorchDistributor as SparkTorchDistributor
 
     return SparkTorchDistributor(num_processes=num_processes, local_mode=local_mode, use_gpu=False)
+
+
+def pyspark_run(session: Any, call: Callable[[], Any], timeout: float) -> Any:
+    """``call()`` (a run of pyspark's TorchDistributor, which has no timeout of its own); after
+    ``timeout`` seconds the session's jobs are cancelled and pyspark's rank processes killed."""
+
+    def on_timeout() -> None:
+        session.sparkContext.cancelAllJobs()
+        kill_descendants("torch_run_process_wrapper")
+        kill_descendants("torch.distributed.run")
+
+    return run_with_timeout(call, timeout, on_timeout)
 
 
 def ship_by_value_for_pyspark(module: Any) -> None:
@@ -473,6 +528,18 @@ def kill_descendants(marker: str) -> int:
         except psutil.Error:
             continue
     return killed
+
+
+def python_workers(root: int | None = None) -> set[int]:
+    """Pids of Spark's Python workers (children of ``pyspark.daemon``) under ``root`` (default:
+    this driver): a run that finds them gone pays for new ones."""
+    found: set[int] = set()
+    with contextlib.suppress(psutil.Error):
+        for proc in psutil.Process(root).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "pyspark.daemon" in " ".join(proc.cmdline()) and proc.parent().name() != "java":
+                    found.add(proc.pid)
+    return found
 
 
 # -- memory ----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any
 
 import common
 import pages
-from common import log, print_table, ratio
+from common import log, ratio
 
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
@@ -51,16 +51,9 @@ def train_steps(steps: int) -> int:
 
 
 def build_variants(session: Any, steps: int) -> dict[str, Any]:
-    from sparktorch_ops import TorchDistributor
 
     def one() -> int:
-        distributor = TorchDistributor(
-            num_processes=1,
-            local_mode=False,
-            use_gpu=False,
-            spark=session,
-            logger=common.quiet_logger(),
-        )
+        distributor = common.ours(num_processes=1, local_mode=False, spark=session)
         return int(distributor.run(train_steps, steps))
 
     def sequential() -> list[int]:
@@ -94,68 +87,46 @@ def check(name: str, values: Any) -> dict[str, Any]:
     return {}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--name", default=NAME)
-    args = parser.parse_args(argv)
-    machine = common.machine_info()
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     log("starting a local[4] SparkSession")
     session = common.start_spark("local[4]")
     series = common.alternate(
-        build_variants(session, args.steps), args.repeats, check=check, settle_s=1.0
-    )
-    variants = {name: s.summary() for name, s in series.items()}
-    together = ratio(variants["concurrent"]["median_s"], variants["sequential"]["median_s"])
-    print_table(
-        f"{RUNS} one-rank barrier runs of {args.steps} steps on local[4]",
-        ["variant", "median s", "min s", "max s", "runs"],
-        [[n, v["median_s"], v["min_s"], v["max_s"], v["runs"]] for n, v in variants.items()],
-    )
-    print(f"concurrent / sequential: {common.fmt(together)}")
-    common.write_results(
-        args.name,
-        {
-            "repeats": args.repeats,
-            "steps": args.steps,
-            "runs": RUNS,
-            "master": "local[4]",
-            "variants": variants,
-            "concurrent_over_sequential": together,
-        },
-        machine,
+        build_variants(session, args.steps),
+        args.repeats,
+        warmup=args.warmup,
+        check=check,
+        settle_s=args.settle,
     )
     session.stop()
-    return 0 if all(v["runs"] for v in variants.values()) else 1
-
-
-# -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
-TITLE = "Several runs at once"
+    variants = {name: s.summary() for name, s in series.items()}
+    return {
+        "repeats": args.repeats,
+        "steps": args.steps,
+        "runs": RUNS,
+        "master": "local[4]",
+        "variants": variants,
+        "concurrent_over_sequential": ratio(
+            variants["concurrent"]["median_s"], variants["sequential"]["median_s"]
+        ),
+    }
 
 
 def render(doc: dict[str, Any]) -> str:
     """This benchmark's section of benchmarks/README.md, from its JSON."""
-    variants = doc["variants"]
-    rows = [
-        [
-            name,
-            pages.num(s.get("median_s")),
-            pages.spread(s),
-            str(s.get("runs", "-")),
-        ]
-        for name, s in variants.items()
+    cols: list[pages.Column] = [
+        ("variant", lambda n, _s: n),
+        ("median s", pages.field_("median_s")),
+        ("min-max s", pages.min_max),
+        ("runs", lambda _n, s: str(s.get("runs", "-"))),
     ]
     return (
         f"{doc.get('runs')} one-rank barrier runs ({doc.get('steps')} SGD steps of a small MLP "
         f"each) on one `{doc.get('master')}` session: one after another from one thread, and "
         f"started together from {doc.get('runs')} threads. Wall time of all of them, median of "
         f"{doc.get('repeats')} alternating rounds.\n\n"
-        + pages.table(["variant", "median s", "min-max s", "runs"], rows)
+        + pages.columns(cols, doc["variants"])
         + f"\n\nconcurrent / sequential: {pages.num(doc.get('concurrent_over_sequential'), suffix='x')}"
-        + "".join(pages.errors(s) for s in variants.values())
+        + "".join(pages.errors(s) for s in doc["variants"].values())
     )
 
 
@@ -171,5 +142,16 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+BENCH = pages.Benchmark(
+    name=NAME,
+    title="Several runs at once",
+    measure=measure,
+    render=render,
+    summary=summary_rows,
+    options=lambda parser: parser.add_argument("--steps", type=int, default=300),
+    defaults={"repeats": 3, "settle": 1.0},
+    quick=("--repeats=1", "--warmup=0", "--steps=20"),
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
 import sys
 import tempfile
@@ -51,7 +50,7 @@ from typing import Any
 import common
 import pages
 import psutil
-from common import log, print_table, ratio
+from common import log, ratio
 
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
@@ -79,20 +78,6 @@ TARGET_RATIO = 1.2  # ours over Connect / ours classic, the goal
 RANK_MARKERS = ("torch_run_process_wrapper", "torch.distributed.run", "sparktorch_ops.node.agent")
 
 
-@contextlib.contextmanager
-def connect_mode() -> Iterator[None]:
-    """pyspark's view of a Connect-only process (``is_remote()``) for the block."""
-    saved = os.environ.get(CONNECT_ENV)
-    os.environ[CONNECT_ENV] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(CONNECT_ENV, None)
-        else:
-            os.environ[CONNECT_ENV] = saved
-
-
 def start_connect_session(url: str) -> Any:
     """A Connect session to ``url`` beside this process's classic one, warmed with a job."""
     from pyspark.sql.connect.session import SparkSession as ConnectSession
@@ -111,20 +96,6 @@ def touch_connect_workers(session: Any) -> None:
     session.range(2, numPartitions=2).mapInArrow(_identity, "id long").collect()
 
 
-def python_workers(root: int) -> set[int]:
-    """Pids of Spark's Python workers (children of ``pyspark.daemon``) under ``root``."""
-    found: set[int] = set()
-    try:
-        procs = psutil.Process(root).children(recursive=True)
-    except psutil.Error:
-        return found
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            if "pyspark.daemon" in " ".join(proc.cmdline()) and proc.parent().name() != "java":
-                found.add(proc.pid)
-    return found
-
-
 # -- the variants ----------------------------------------------------------------------------
 class Launchers:
     """Builds the run-once callables of every variant."""
@@ -138,16 +109,9 @@ class Launchers:
         self.fn = functools.partial(jobs.allreduce, None, False)
 
     def ours(self, session: Any, channel_host: str | None = None) -> Any:
-        from sparktorch_ops import TorchDistributor
 
-        distributor = TorchDistributor(
-            num_processes=2,
-            local_mode=False,
-            use_gpu=False,
-            spark=session,
-            logger=self.logger,
-            timeout=self.timeout,
-            channel_host=channel_host,
+        distributor = common.ours(
+            local_mode=False, spark=session, timeout=self.timeout, channel_host=channel_host
         )
         return distributor.run(self.fn)
 
@@ -190,13 +154,13 @@ class Launchers:
 
         def census() -> dict[str, Any]:
             # A run that finds Spark's Python workers gone pays for new ones.
-            before = python_workers(root)
+            before = common.python_workers(root)
             if connect:
-                with connect_mode():
+                with common.env_var(CONNECT_ENV, "1"):
                     value = run()
             else:
                 value = run()
-            return {"value": value, "new_python_workers": len(python_workers(root) - before)}
+            return {"value": value, "new_python_workers": len(common.python_workers(root) - before)}
 
         return census
 
@@ -208,97 +172,11 @@ def check_value(name: str, value: Any) -> dict[str, Any]:
     return {"new_python_workers": value["new_python_workers"]}
 
 
-# -- output ----------------------------------------------------------------------------------
-def first_error(summary: dict[str, Any]) -> str | None:
-    """The first error of a variant, on one line, shortened for a table cell."""
-    errors = summary.get("errors") or []
-    if not errors:
-        return None
-    line = errors[0].splitlines()[0]
-    return line if len(line) <= 60 else line[:57] + "..."
-
-
-def write_json(path: Path, payload: dict[str, Any], machine: dict[str, Any]) -> None:
-    """Like ``common.write_results``, to a path of one's choosing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    document = {"benchmark": NAME, "machine": machine, "argv": sys.argv[1:], **payload}
-    path.write_text(json.dumps(document, indent=2, default=str) + "\n")
-    print(f"\nwrote {path}")
-
-
-def report(series: dict[str, common.Series], variants: list[str], repeats: int) -> dict[str, Any]:
-    """Print the tables; return the per-variant summaries and the ratios."""
-    summaries = {name: series[name].summary() for name in variants}
-    base = summaries.get(BASELINE, {}).get("median_s")
-    rows = []
-    for name, s in summaries.items():
-        s["ratio_vs_ours_classic"] = ratio(s["median_s"], base)
-        s["new_python_workers"] = [e.get("new_python_workers") for e in series[name].extra]
-        error = first_error(s)
-        failed = f", {len(s['errors'])} failed" if s["errors"] else ""
-        rows.append(
-            [
-                name,
-                s["median_s"] if s["runs"] else error,
-                s["min_s"],
-                s["max_s"],
-                s["ratio_vs_ours_classic"],
-                s["driver_cpu_median_s"],
-                f"{s['runs']} ok{failed}",
-                sum(1 for n in s["new_python_workers"] if n),
-            ]
-        )
-    print_table(
-        f"Connect launch: trivial 2-rank all-reduce, barrier mode on {MASTER}, "
-        f"medians of {repeats} (s)",
-        ["variant", "median", "min", "max", "x ours_classic", "driver CPU s", "runs", "fresh py"],
-        rows,
-    )
-
-    def med(name: str) -> float | None:
-        return summaries.get(name, {}).get("median_s")
-
-    ratios = {
-        "ours: connect / classic": ratio(med("ours_connect"), med("ours_classic")),
-        "ours: relayed / live (connect)": ratio(med("ours_connect_relayed"), med("ours_connect")),
-        "pyspark: connect / classic": ratio(med("pyspark_connect"), med("pyspark_classic")),
-        "classic: pyspark / ours": ratio(med("pyspark_classic"), med("ours_classic")),
-        "connect: pyspark / ours": ratio(med("pyspark_connect"), med("ours_connect")),
-    }
-    print_table("Ratios of medians", ["ratio", "x"], list(ratios.items()))
-    print(
-        "driver CPU s: CPU seconds of this process (the Spark client; barrier ranks run under a "
-        "JVM)\nfresh py: runs that found Spark's Python workers gone and paid for new ones"
-    )
-    return {"variants": summaries, "ratios": ratios}
-
-
-# -- main ------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument(
-        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}"
-    )
-    parser.add_argument("--timeout", type=float, default=300, help="per run, seconds")
-    parser.add_argument("--server-timeout", type=float, default=120, help="server start, seconds")
-    parser.add_argument("--settle", type=float, default=0.5, help="seconds of pause between runs")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help=f"write the JSON here (default: benchmarks/results/{NAME}.json)",
-    )
-    args = parser.parse_args(argv)
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
-        parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
-
-    machine = common.machine_info()
+        raise SystemExit(f"unknown variants: {', '.join(sorted(unknown))}")
     workdir = Path(tempfile.mkdtemp(prefix="sparktorch-bench-connect-"))
     log(f"starting a Spark Connect server on {MASTER} (log: {workdir / 'connect-server.log'})")
     server = ConnectServer(workdir, MASTER)
@@ -312,7 +190,6 @@ def main(argv: list[str] | None = None) -> int:
         classic = common.start_spark(MASTER)
         common.ship_by_value_for_pyspark(jobs)
         launchers = Launchers(classic, connect, server, args.timeout)
-
         runs = {name: launchers.build(name) for name in variants}
 
         def prepare(name: str) -> None:
@@ -332,23 +209,6 @@ def main(argv: list[str] | None = None) -> int:
             settle_s=args.settle,
             before_each=prepare,
         )
-        payload = {
-            "repeats": args.repeats,
-            "warmup": args.warmup,
-            "master": MASTER,
-            "baseline": BASELINE,
-            **report(series, variants, args.repeats),
-            "notes": (
-                "One process holds the classic local[2] session and the Connect client (to a "
-                "Connect server on local[2] started by the benchmark); the Connect variants "
-                f"run with {CONNECT_ENV}=1, the classic ones without. Python workers of both "
-                "are kept warm by a tiny job before every run. A run of pyspark's distributor "
-                "on the Connect server ends the server's Python workers its tasks ran in, so "
-                "our next run there would start its warm agents anew (2-3 s; the launch "
-                "benchmark measures cold starts): before each of our runs an untimed run of "
-                "the same variant warms them, classic and Connect alike."
-            ),
-        }
     finally:
         if connect is not None:
             with contextlib.suppress(Exception):
@@ -356,11 +216,42 @@ def main(argv: list[str] | None = None) -> int:
         if classic is not None:
             classic.stop()
         server.stop()
-    if args.out is not None:
-        write_json(args.out, payload, machine)
-    else:
-        common.write_results(NAME, payload, machine)
-    return 0
+    summaries = {name: series[name].summary() for name in variants}
+    for name, s in summaries.items():
+        s["ratio_vs_ours_classic"] = ratio(
+            s["median_s"], summaries.get(BASELINE, {}).get("median_s")
+        )
+        s["new_python_workers"] = [e.get("new_python_workers") for e in series[name].extra]
+
+    def med(name: str) -> float | None:
+        return summaries.get(name, {}).get("median_s")
+
+    return {
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "master": MASTER,
+        "baseline": BASELINE,
+        "variants": summaries,
+        "ratios": {
+            "ours: connect / classic": ratio(med("ours_connect"), med("ours_classic")),
+            "ours: relayed / live (connect)": ratio(
+                med("ours_connect_relayed"), med("ours_connect")
+            ),
+            "pyspark: connect / classic": ratio(med("pyspark_connect"), med("pyspark_classic")),
+            "classic: pyspark / ours": ratio(med("pyspark_classic"), med("ours_classic")),
+            "connect: pyspark / ours": ratio(med("pyspark_connect"), med("ours_connect")),
+        },
+        "notes": (
+            "One process holds the classic local[2] session and the Connect client (to a "
+            "Connect server on local[2] started by the benchmark); the Connect variants "
+            f"run with {CONNECT_ENV}=1, the classic ones without. Python workers of both "
+            "are kept warm by a tiny job before every run. A run of pyspark's distributor "
+            "on the Connect server ends the server's Python workers its tasks ran in, so "
+            "our next run there would start its warm agents anew (2-3 s; the launch "
+            "benchmark measures cold starts): before each of our runs an untimed run of "
+            "the same variant warms them, classic and Connect alike."
+        ),
+    }
 
 
 # -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
@@ -369,23 +260,14 @@ TITLE = "Launch over Spark Connect"
 
 def render(doc: dict[str, Any]) -> str:
     """This benchmark\'s section of benchmarks/README.md, from its JSON."""
-    rows = []
-    for name, s in doc["variants"].items():
-        errors = s.get("errors") or []
-        if not s.get("runs") and errors:
-            seconds = f"failed: {errors[0].splitlines()[0][:80]}"
-        else:
-            seconds = pages.num(s.get("median_s"))
-        rows.append(
-            [
-                f"`{name}`",
-                seconds,
-                pages.spread(s),
-                pages.num(s.get("ratio_vs_ours_classic"), suffix="x"),
-                str(sum(1 for n in s.get("new_python_workers", []) if n)),
-                f"{s.get('runs')}{pages.errors(s) if s.get('runs') else ''}",
-            ]
-        )
+    cols: list[pages.Column] = [
+        ("variant", pages.name),
+        ("seconds", pages.seconds),
+        ("min-max s", pages.min_max),
+        ("vs ours classic", pages.field_("ratio_vs_ours_classic", suffix="x")),
+        ("fresh workers", lambda _n, s: str(sum(1 for n in s.get("new_python_workers", []) if n))),
+        ("runs", pages.runs),
+    ]
     ratio_rows = [
         [name, pages.num(value, suffix="x")] for name, value in doc.get("ratios", {}).items()
     ]
@@ -394,9 +276,7 @@ def render(doc: dict[str, Any]) -> str:
         f"call to its return, from a classic session and from a Spark Connect session (to a "
         f"Connect server on `{doc.get('master', 'local[2]')}`); median of {doc.get('repeats')} "
         f"(after {doc.get('warmup', 0)} warm-up round).",
-        pages.table(
-            ["variant", "seconds", "min-max s", "vs ours classic", "fresh workers", "runs"], rows
-        ),
+        pages.columns(cols, doc["variants"]),
         pages.table(["ratio of medians", "x"], ratio_rows),
     ]
     before = doc.get("before")
@@ -467,5 +347,22 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}"
+    )
+    parser.add_argument("--server-timeout", type=float, default=120, help="server start, seconds")
+
+
+BENCH = pages.Benchmark(
+    name=NAME,
+    title=TITLE,
+    measure=measure,
+    render=render,
+    summary=summary_rows,
+    options=options,
+    defaults={"timeout": 300},
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))

@@ -37,7 +37,7 @@ from typing import Any
 
 import common
 import pages
-from common import log, median, print_table
+from common import log, median
 
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
@@ -175,8 +175,6 @@ def build_variants(
 ) -> dict[str, Any]:
     import time
 
-    from sparktorch_ops import TorchDistributor
-
     per_rank = rows // 2
 
     def floor() -> Any:
@@ -192,9 +190,7 @@ def build_variants(
         def on_event(event: Any) -> None:
             marks.setdefault(event.name, time.perf_counter() - started)
 
-        dist = TorchDistributor(
-            num_processes=2, local_mode=False, use_gpu=False, spark=session, on_event=on_event
-        )
+        dist = common.ours(local_mode=False, spark=session, on_event=on_event)
         ranks = dist.train_on_dataframe(rank_epoch, df, kind, per_rank, BATCH, 1)
         return {"ranks": ranks, "phases": phases_of(marks, time.perf_counter() - started)}
 
@@ -202,14 +198,10 @@ def build_variants(
         dist = common.pyspark_distributor(local_mode=False)
         samples = min(per_rank, pyspark_samples)
 
-        def cancel() -> None:
-            session.sparkContext.cancelAllJobs()
-            common.kill_descendants("torch.distributed.run")
-
-        ranks = common.run_with_timeout(
+        ranks = common.pyspark_run(
+            session,
             lambda: dist._train_on_dataframe(rank_epoch, df, "pyspark", samples, BATCH, 1),
             timeout,
-            cancel,
         )
         return {"ranks": ranks, "phases": {}}
 
@@ -280,38 +272,14 @@ def warm_agents(session: Any, small: Any) -> None:
     warm agent because a variant before it did not use them. It is a ``mapInArrow`` barrier
     stage like the timed runs' (an RDD stage may get other Python workers, whose task 0 then
     pays ``import torch`` for the rendezvous store)."""
-    from sparktorch_ops import TorchDistributor
 
     common.touch_python_workers(session)
-    TorchDistributor(
-        num_processes=2, local_mode=False, use_gpu=False, spark=session
-    ).train_on_dataframe(warm_ranks, small)
+    common.ours(local_mode=False, spark=session).train_on_dataframe(warm_ranks, small)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--sizes", default="2000000,8000000", help="comma-separated row counts")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=0)
-    parser.add_argument(
-        "--pyspark-samples",
-        type=int,
-        default=100_000,
-        help="cap on pyspark's num_samples per rank (its loader converts row by row); 0: skip it",
-    )
-    parser.add_argument("--timeout", type=float, default=600, help="per pyspark run, seconds")
-    parser.add_argument(
-        "--warm-size", type=int, default=20_000, help="rows of a discarded warm-up round (0: none)"
-    )
-    parser.add_argument("--settle", type=float, default=1.0)
-    parser.add_argument("--name", default=NAME)
-    parser.add_argument("--label", default="", help="what code this run measured (in the JSON)")
-    args = parser.parse_args(argv)
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
 
-    machine = common.machine_info()
     log("starting a local[2] SparkSession")
     session = common.start_spark("local[2]")
 
@@ -328,7 +296,6 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     results: dict[str, Any] = {}
-    rows_out = []
     for size in sizes:
         log(f"building and caching {size:,} x {FEATURES} float32")
         df = make_dataframe(session, size)
@@ -342,81 +309,36 @@ def main(argv: list[str] | None = None) -> int:
         )
         df.unpersist()
         per_size = summarize(series, size, args.pyspark_samples)
-        for name, summary in per_size.items():
-            phases = summary["phases_median_s"]
-            rows_out.append(
-                [
-                    f"{size:,}",
-                    name,
-                    summary["median_s"],
-                    pages.spread(summary),
-                    summary["ratio_vs_floor"],
-                    _ratio_spread(summary),
-                    " ".join(f"{v:.2f}" if v is not None else "-" for v in phases.values()),
-                    summary["rows_per_s_per_rank_median"],
-                    summary["ru_maxrss_mib_max"],
-                    ("capped; " if summary["capped"] else "")
-                    + f"{summary['runs']} ok"
-                    + (f", {len(summary['errors'])} failed" if summary["errors"] else ""),
-                ]
-            )
         results[str(size)] = per_size
-        for name, s in series.items():
-            for error in s.errors[:1]:
-                print(f"{size} {name} failed: {error[:600]}")
-
-    print_table(
-        f"DataFrame input: 2 ranks, barrier mode, local[2], {FEATURES} float32 columns, "
-        f"batch {BATCH}; medians of {args.repeats}; phases: "
-        + ", ".join(name for name, _, _ in PHASES),
-        [
-            "rows",
-            "variant",
-            "wall s",
-            "min-max",
-            "/ floor",
-            "min-max",
-            "phases s",
-            "rows/s/rank",
-            "maxrss MiB",
-            "runs",
-        ],
-        rows_out,
-    )
-    common.write_results(
-        args.name,
-        {
-            "label": args.label,
-            "sizes": sizes,
-            "features": FEATURES,
-            "batch_size": BATCH,
-            "repeats": args.repeats,
-            "warmup": args.warmup,
-            "pyspark_samples_cap": args.pyspark_samples,
-            "target_ratio": TARGET_RATIO,
-            "phases": [list(p) for p in PHASES],
-            "results": results,
-            "notes": (
-                "Before every run (untimed) a trivial 2-rank training on a small DataFrame warms "
-                "the agents. "
-                "wall is the whole call on the driver; '/ floor' is a run's wall over the "
-                "floor's wall in the same round (median, min-max of the rounds). The phases "
-                "of our runs are the medians of the times between the run's phase events. "
-                "rows/s per rank is over the rank's own loading time (loader creation to last "
-                "batch); maxrss is getrusage(RUSAGE_SELF) of the rank process (torch import "
-                "included). pyspark's loader delivers only num_samples rows (capped) per rank. "
-                "pyspark's runs between ours share our Spark Python workers and leave their "
-                "torch group's variables (RANK, MASTER_PORT, CUDA_VISIBLE_DEVICES...) there; "
-                "our runs neither pass them on nor start a new warm agent for them (before "
-                "ac87b58 they did: a fresh torch import in the 'shards' phase). "
-                "--pyspark-samples 0 runs ours alone."
-            ),
-        },
-        machine,
-    )
     small.unpersist()
     session.stop()
-    return 0
+    return {
+        "label": args.label,
+        "sizes": sizes,
+        "features": FEATURES,
+        "batch_size": BATCH,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "pyspark_samples_cap": args.pyspark_samples,
+        "target_ratio": TARGET_RATIO,
+        "phases": [list(p) for p in PHASES],
+        "results": results,
+        "notes": (
+            "Before every run (untimed) a trivial 2-rank training on a small DataFrame warms "
+            "the agents. "
+            "wall is the whole call on the driver; '/ floor' is a run's wall over the "
+            "floor's wall in the same round (median, min-max of the rounds). The phases "
+            "of our runs are the medians of the times between the run's phase events. "
+            "rows/s per rank is over the rank's own loading time (loader creation to last "
+            "batch); maxrss is getrusage(RUSAGE_SELF) of the rank process (torch import "
+            "included). pyspark's loader delivers only num_samples rows (capped) per rank. "
+            "pyspark's runs between ours share our Spark Python workers and leave their "
+            "torch group's variables (RANK, MASTER_PORT, CUDA_VISIBLE_DEVICES...) there; "
+            "our runs neither pass them on nor start a new warm agent for them (before "
+            "ac87b58 they did: a fresh torch import in the 'shards' phase). "
+            "--pyspark-samples 0 runs ours alone."
+        ),
+    }
 
 
 def _ratio_spread(s: dict[str, Any]) -> str:
@@ -563,5 +485,30 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default="2000000,8000000", help="comma-separated row counts")
+    parser.add_argument(
+        "--pyspark-samples",
+        type=int,
+        default=100_000,
+        help="cap on pyspark's num_samples per rank (its loader converts row by row); 0: skip it",
+    )
+    parser.add_argument(
+        "--warm-size", type=int, default=20_000, help="rows of a discarded warm-up round (0: none)"
+    )
+    parser.add_argument("--label", default="", help="what code this run measured (in the JSON)")
+
+
+BENCH = pages.Benchmark(
+    name=NAME,
+    title=TITLE,
+    measure=measure,
+    render=render,
+    summary=summary_rows,
+    options=options,
+    defaults={"repeats": 3, "warmup": 0, "settle": 1.0},
+    quick=("--sizes=20000", "--repeats=1", "--warm-size=2000", "--pyspark-samples=1000"),
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))

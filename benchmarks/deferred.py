@@ -1,5 +1,8 @@
-"""Deferred against attached trainings under Airflow's real scheduler (LocalExecutor on
-SQLite, with a triggerer: harness/airflow_services.py), one installation for every figure:
+"""Deferred against attached trainings under Airflow's real scheduler: the worker slot a
+training holds, its wall time, the triggerer's CPU, and how soon a restarted triggerer watches.
+
+One installation (LocalExecutor on SQLite, with a triggerer: harness/airflow_services.py)
+serves every figure:
 
 - **worker-slot seconds**: a training of ``--long-minutes`` (10 by default) run attached and
   deferred at the same time; the seconds its task held a worker slot are the lifetimes of the
@@ -19,6 +22,7 @@ SQLite, with a triggerer: harness/airflow_services.py), one installation for eve
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -32,7 +36,7 @@ from typing import Any
 
 import common
 import pages
-from common import log, print_table, ratio
+from common import ratio
 
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
@@ -170,7 +174,9 @@ def stamp(record: dict[str, Any]) -> float:
     return datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
-def measure(work: Path, long_minutes: float, repeats: int, watched: int) -> dict[str, Any]:
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="bench-deferred-"))
+    long_minutes, watched = args.long_minutes, args.watched
     dag_file = work / "bench_deferred_dags.py"
     dag_file.write_text(DAGS)
     home = work / "home"
@@ -185,16 +191,20 @@ def measure(work: Path, long_minutes: float, repeats: int, watched: int) -> dict
         watcher = SlotWatcher()
 
         # End to end, short trainings, alternating, before anything else runs.
-        short: dict[str, list[float]] = {"attached": [], "deferred": []}
-        for index in range(repeats + 1):  # the first round warms the machine's caches
-            order = ("attached", "deferred") if index % 2 else ("deferred", "attached")
-            for name in order:
-                dag_id = f"bench_{name}_short"
-                run_id = airflow.trigger(dag_id, {"seconds": 0})
-                assert airflow.wait_for_run(dag_id, run_id, timeout=600) == "success"
-                if index:
-                    short[name].append(run_wall_s(airflow, dag_id, run_id))
-            log(f"round {index}: {[(k, v[-1:]) for k, v in short.items()]}")
+        def short_run(name: str) -> float:
+            dag_id = f"bench_{name}_short"
+            run_id = airflow.trigger(dag_id, {"seconds": 0})
+            assert airflow.wait_for_run(dag_id, run_id, timeout=600) == "success"
+            return run_wall_s(airflow, dag_id, run_id)
+
+        series = common.alternate(  # the warm-up round warms the machine's caches
+            {name: functools.partial(short_run, name) for name in ("attached", "deferred")},
+            args.repeats,
+            warmup=args.warmup,
+            check=lambda _name, wall: {"seconds": wall},
+            settle_s=0,
+        )
+        short = {name: s.seconds for name, s in series.items()}
 
         triggerer = airflow.processes["triggerer"]
         idle_start = tree_cpu(triggerer.pid)
@@ -270,29 +280,6 @@ def measure(work: Path, long_minutes: float, repeats: int, watched: int) -> dict
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--long-minutes", type=float, default=10.0)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--watched", type=int, default=3)
-    args = parser.parse_args(argv)
-    machine = common.machine_info()
-    work = Path(tempfile.mkdtemp(prefix="bench-deferred-"))
-    doc = measure(work, args.long_minutes, args.repeats, args.watched)
-    print_table(
-        "deferred vs attached under the scheduler",
-        ["figure", "attached", "deferred"],
-        [
-            ["worker-slot s, long training", *doc["slot_seconds"].values()],
-            ["run wall s, long training", *doc["long_wall_s"].values()],
-            ["run wall s, short (median)", *doc["short_median_s"].values()],
-        ],
-    )
-    log(f"triggerer CPU: {doc['triggerer_cpu_s_per_min']}; reattach: {doc['reattach_s']}")
-    common.write_results(NAME, doc, machine)
-    return 0
-
-
 # -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
 TITLE = "Deferred trainings under Airflow's scheduler"
 
@@ -358,5 +345,22 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--long-minutes", type=float, default=10.0)
+    parser.add_argument("--watched", type=int, default=3)
+
+
+BENCH = pages.Benchmark(
+    name=NAME,
+    title=TITLE,
+    measure=measure,
+    render=render,
+    summary=summary_rows,
+    options=options,
+    defaults={"repeats": 3},
+    quick=("--repeats=1", "--warmup=0", "--long-minutes=1", "--watched=1"),
+    headline=True,
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))

@@ -42,8 +42,7 @@ from typing import Any
 
 import common
 import pages
-import psutil
-from common import JOBS_SCRIPT, Recorder, log, median, print_table, ratio
+from common import JOBS_SCRIPT, Recorder, log, median, ratio
 
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
@@ -91,14 +90,11 @@ class Launchers:
         self.on_event: Callable[[Any], None] | None = None  # set for breakdown runs only
 
     def ours(self, local_mode: bool, **options: Any) -> Any:
-        from sparktorch_ops import TorchDistributor
 
-        return TorchDistributor(
-            num_processes=2,
+        return common.ours(
             local_mode=local_mode,
             use_gpu=self.use_gpu,
             spark=None if local_mode else self.session,
-            logger=self.logger,
             timeout=self.timeout,
             on_event=self.on_event,
             **options,
@@ -106,13 +102,7 @@ class Launchers:
 
     def pyspark(self, local_mode: bool, call: Callable[[Any], Any]) -> Any:
         distributor = common.pyspark_distributor(local_mode)
-
-        def on_timeout() -> None:
-            self.session.sparkContext.cancelAllJobs()
-            common.kill_descendants("torch_run_process_wrapper")
-            common.kill_descendants("torch.distributed.run")
-
-        return common.run_with_timeout(lambda: call(distributor), self.timeout, on_timeout)
+        return common.pyspark_run(self.session, lambda: call(distributor), self.timeout)
 
     def build(self, name: str, timings_dir: str | None = None) -> Callable[[], Any]:
         run = self._build(name.removesuffix(COLD), timings_dir)
@@ -124,9 +114,9 @@ class Launchers:
         def census() -> Any:
             # Spark kills Python workers idle for a minute; a run that gets fresh ones pays
             # their start (and, for ours, the preflight's import of torch) again.
-            before = python_workers()
+            before = common.python_workers()
             value = run()
-            return {"value": value, "new_python_workers": len(python_workers() - before)}
+            return {"value": value, "new_python_workers": len(common.python_workers() - before)}
 
         return census
 
@@ -173,18 +163,6 @@ class Launchers:
         if name == "pyspark_local_script":
             return lambda: self.pyspark(True, lambda d: d.run(script, *script_args))
         raise ValueError(f"unknown variant {name!r}")
-
-
-def python_workers() -> set[int]:
-    """Pids of the Spark Python workers (children of ``pyspark.daemon``) under this driver."""
-    found = set()
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if "pyspark.daemon" in " ".join(proc.cmdline()) and proc.parent().name() != "java":
-                found.add(proc.pid)
-        except psutil.Error:
-            continue
-    return found
 
 
 def check_value(name: str, value: Any) -> dict[str, Any] | None:
@@ -291,125 +269,76 @@ PROC = "measured (/proc, 10 ms ticks)"
 MEASURED = "measured"
 POLLED = "measured (driver polls every 50 ms)"
 
-_RANK_STEPS = [
-    ("fn_start", "rank: read the payload, unpickle, until the function runs", MEASURED),
-    ("torch_imported", "rank: import torch", MEASURED),
-    ("pg_ready", "rendezvous: init_process_group", MEASURED),
-    ("fn_end", "user function: all-reduce + destroy_process_group", MEASURED),
-]
-CHECKPOINTS: dict[str, list[tuple[str, str, str]]] = {
-    "torchrun": [
-        ("agent process start", "exec of the torchrun process", PROC),
-        (
-            "rank process start",
-            "torchrun agent: interpreter, import torch, rendezvous, spawn",
-            PROC,
-        ),
-        ("fn_start", "rank: interpreter, argparse, until the function runs", MEASURED),
-        *_RANK_STEPS[1:],
-        ("returned", "ranks exit, torchrun notices and exits, subprocess returns", MEASURED),
-    ],
-    "ours_local": [
-        (
-            "payload_packed",
-            "driver: build the job (pickle the function / read the script)",
-            MEASURED,
-        ),
-        ("channel_open", "driver: open the channel", MEASURED),
-        ("launcher_started", "driver: plan, payload file, start the agent (Popen)", MEASURED),
-        (
-            "agent process start",
-            "agent process start (exec; warm: forked by the fork server)",
-            PROC,
-        ),
-        (
-            "rank supervisor start",
-            "torchrun agent: interpreter and import torch (cold only), rendezvous, fork",
-            PROC,
-        ),
-        ("supervisor_connected (last)", "supervisor: channel hello", MEASURED),
-        ("rank process start", "supervisor: fork the rank process", PROC),
-        ("worker_connected (last)", "rank: channel hello", MEASURED),
-        *_RANK_STEPS,
-        ("result_received", "rank 0: pickle and send the result", MEASURED),
-        ("rank_exited (last)", "ranks exit, supervisors report", MEASURED),
-        ("finishing", "torchrun agent notices the exits and exits", POLLED),
-        ("drained", "driver: drain the channel", MEASURED),
-        (
-            "launcher_finished",
-            "driver: unpickle, close the channel, teardown (process tree, sweep, workdir)",
-            MEASURED,
-        ),
-        ("returned", "driver: build the RunResult", MEASURED),
-    ],
-    "ours_barrier": [
-        (
-            "payload_packed",
-            "driver: build the job (pickle the function / read the script)",
-            MEASURED,
-        ),
-        ("slots_ready", "driver: Spark conf and slot checks", MEASURED),
-        ("launcher_started", "driver: channel, plan, submit the barrier job", MEASURED),
-        (
-            "node_connected (last)",
-            "Spark: barrier tasks start, hello; task 0 hosts the store, port via the driver",
-            MEASURED,
-        ),
-        ("agent process start", "task: payload file, start (or fork) the agent", PROC),
-        (
-            "rank supervisor start",
-            "torchrun agent: interpreter and import torch (cold only), rendezvous, fork",
-            PROC,
-        ),
-        ("supervisor_connected (last)", "supervisor: channel hello", MEASURED),
-        ("rank process start", "supervisor: fork the rank process", PROC),
-        ("worker_connected (last)", "rank: channel hello", MEASURED),
-        *_RANK_STEPS,
-        ("result_received", "rank 0: pickle and send the result", MEASURED),
-        ("rank_exited (last)", "ranks exit, supervisors report", MEASURED),
-        ("node_exited (last)", "torchrun agents notice the exits, exit barrier, exit", MEASURED),
-        (
-            "finishing",
-            "driver releases the store; task 0 ends, the Spark job completes (polled)",
-            POLLED,
-        ),
-        ("drained", "driver: drain the channel", MEASURED),
-        ("launcher_finished", "driver: unpickle, close, wait for the job's end", MEASURED),
-        ("returned", "driver: build the RunResult", MEASURED),
-    ],
-    "pyspark_local": [
-        ("pyspark wrapper start", "pyspark: pickle to a file, start its wrapper process", PROC),
-        ("agent process start", "wrapper: interpreter, start torchrun", PROC),
-        (
-            "rank process start",
-            "torchrun agent: interpreter, import torch, rendezvous, spawn",
-            PROC,
-        ),
-        ("fn_start", "rank: interpreter, import pyspark's cloudpickle, unpickle", MEASURED),
-        *_RANK_STEPS[1:],
-        (
-            "returned",
-            "ranks write the output file and exit, torchrun + wrapper exit, driver reads",
-            MEASURED,
-        ),
-    ],
-    "pyspark_barrier": [
-        (
-            "pyspark wrapper start",
-            "pyspark: log server (sleeps 1 s), Spark job, task setup, wrapper",
-            PROC,
-        ),
-        ("agent process start", "wrapper: interpreter, start torchrun", PROC),
-        (
-            "rank process start",
-            "torchrun agent: interpreter, import torch, rendezvous, spawn",
-            PROC,
-        ),
-        ("fn_start", "rank: interpreter, import pyspark's cloudpickle, unpickle", MEASURED),
-        *_RANK_STEPS[1:],
-        ("returned", "ranks exit, torchrun + wrapper exit, Arrow result, Spark job ends", MEASURED),
-    ],
-}
+# Where each family's timeline is cut: "event | how it is known | the phase that ends there";
+# "@name" stands for the steps of [name] (a rank's own, or ours' agent to the ranks' exits).
+_CHECKPOINTS = """
+[rank]
+torch_imported | measured | rank: import torch
+pg_ready | measured | rendezvous: init_process_group
+fn_end | measured | user function: all-reduce + destroy_process_group
+[ours_ranks]
+rank supervisor start | proc | torchrun agent: interpreter and import torch (cold only), rendezvous, fork
+supervisor_connected (last) | measured | supervisor: channel hello
+rank process start | proc | supervisor: fork the rank process
+worker_connected (last) | measured | rank: channel hello
+fn_start | measured | rank: read the payload, unpickle, until the function runs
+@rank
+result_received | measured | rank 0: pickle and send the result
+rank_exited (last) | measured | ranks exit, supervisors report
+[torchrun]
+agent process start | proc | exec of the torchrun process
+rank process start | proc | torchrun agent: interpreter, import torch, rendezvous, spawn
+fn_start | measured | rank: interpreter, argparse, until the function runs
+@rank
+returned | measured | ranks exit, torchrun notices and exits, subprocess returns
+[ours_local]
+payload_packed | measured | driver: build the job (pickle the function / read the script)
+channel_open | measured | driver: open the channel
+launcher_started | measured | driver: plan, payload file, start the agent (Popen)
+agent process start | proc | agent process start (exec; warm: forked by the fork server)
+@ours_ranks
+finishing | polled | torchrun agent notices the exits and exits
+drained | measured | driver: drain the channel
+launcher_finished | measured | driver: unpickle, close the channel, teardown (process tree, sweep, workdir)
+returned | measured | driver: build the RunResult
+[ours_barrier]
+payload_packed | measured | driver: build the job (pickle the function / read the script)
+slots_ready | measured | driver: Spark conf and slot checks
+launcher_started | measured | driver: channel, plan, submit the barrier job
+node_connected (last) | measured | Spark: barrier tasks start, hello; task 0 hosts the store, port via the driver
+agent process start | proc | task: payload file, start (or fork) the agent
+@ours_ranks
+node_exited (last) | measured | torchrun agents notice the exits, exit barrier, exit
+finishing | polled | driver releases the store; task 0 ends, the Spark job completes (polled)
+drained | measured | driver: drain the channel
+launcher_finished | measured | driver: unpickle, close, wait for the job's end
+returned | measured | driver: build the RunResult
+[pyspark_local]
+pyspark wrapper start | proc | pyspark: pickle to a file, start its wrapper process
+agent process start | proc | wrapper: interpreter, start torchrun
+rank process start | proc | torchrun agent: interpreter, import torch, rendezvous, spawn
+fn_start | measured | rank: interpreter, import pyspark's cloudpickle, unpickle
+@rank
+returned | measured | ranks write the output file and exit, torchrun + wrapper exit, driver reads
+[pyspark_barrier]
+pyspark wrapper start | proc | pyspark: log server (sleeps 1 s), Spark job, task setup, wrapper
+agent process start | proc | wrapper: interpreter, start torchrun
+rank process start | proc | torchrun agent: interpreter, import torch, rendezvous, spawn
+fn_start | measured | rank: interpreter, import pyspark's cloudpickle, unpickle
+@rank
+returned | measured | ranks exit, torchrun + wrapper exit, Arrow result, Spark job ends
+"""
+HOW = {"proc": PROC, "measured": MEASURED, "polled": POLLED}
+CHECKPOINTS: dict[str, list[tuple[str, str, str]]] = {}
+for _line in _CHECKPOINTS.strip().splitlines():
+    if _line.startswith("["):
+        _steps = CHECKPOINTS.setdefault(_line.strip("[]"), [])
+    elif _line.startswith("@"):
+        _steps.extend(CHECKPOINTS[_line[1:]])
+    else:
+        _event, _how, _description = (part.strip() for part in _line.split("|", 2))
+        _steps.append((_event, _description, HOW[_how]))
+del CHECKPOINTS["rank"], CHECKPOINTS["ours_ranks"]
 
 
 def family(name: str) -> str:
@@ -456,46 +385,16 @@ def probes() -> dict[str, float | None]:
     return {label: common.probe_seconds(code) for label, code in codes.items()}
 
 
-# -- main ------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument(
-        "--variants",
-        default=",".join(DEFAULT_VARIANTS),
-        help=f"comma-separated; also {', '.join(OPTIONAL_VARIANTS)}",
-    )
-    parser.add_argument(
-        "--breakdown-runs", type=int, default=1, help="instrumented runs per variant (0: none)"
-    )
-    parser.add_argument(
-        "--gpu", action="store_true", help="use_gpu=True, nccl (torchrun and ours local only)"
-    )
-    parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--settle", type=float, default=0.5, help="seconds of pause between runs")
-    parser.add_argument(
-        "--no-warm-python-workers",
-        dest="warm_python_workers",
-        action="store_false",
-        help="let Spark reap its idle Python workers between runs (barrier runs then start cold)",
-    )
-    parser.add_argument("--name", default=NAME, help="results file name")
-    args = parser.parse_args(argv)
-
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     known = {*DEFAULT_VARIANTS, *OPTIONAL_VARIANTS}
     known |= {v + COLD for v in known if v.startswith("ours")}
     if set(variants) - known:
-        parser.error(f"unknown variants: {', '.join(sorted(set(variants) - known))}")
+        raise SystemExit(f"unknown variants: {', '.join(sorted(set(variants) - known))}")
     if args.gpu:
         variants = [v for v in variants if v.removesuffix(COLD) in LOCAL_VARIANTS]
-    needs_spark = any(v.startswith("pyspark") or "barrier" in v for v in variants)
-    machine = common.machine_info()
     session = None
-    if needs_spark:
+    if any(v.startswith("pyspark") or "barrier" in v for v in variants):
         log("starting a local[2] SparkSession")
         session = common.start_spark("local[2]")
         common.ship_by_value_for_pyspark(jobs)
@@ -516,12 +415,11 @@ def main(argv: list[str] | None = None) -> int:
         {name: launchers.build(name) for name in variants},
         args.repeats,
         warmup=args.warmup,
-        check=lambda name, value: check_value(name, value),
+        check=check_value,
         settle_s=args.settle,
         before_each=lambda _name: touch(),
     )
     base = median(series["torchrun"].seconds) if "torchrun" in series else None
-    rows = []
     results: dict[str, Any] = {}
     for name in variants:
         summary = series[name].summary()
@@ -539,62 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                 e.get("new_python_workers") for e in series[name].extra
             ]
         results[name] = summary
-        rows.append(
-            [
-                name,
-                summary["median_s"],
-                summary["min_s"],
-                summary["max_s"],
-                summary["ratio_vs_torchrun"],
-                summary.get("cold_over_warm"),
-                summary["tree_cpu_median_s"],
-                summary["target_ratio"],
-                summary["design_target_ratio"]
-                if ours
-                else (PYSPARK_MEASURED.get(mode or "") if name.startswith("pyspark") else None),
-                f"{summary['runs']} ok"
-                + (f", {len(summary['errors'])} failed" if summary["errors"] else ""),
-                sum(1 for n in summary.get("new_python_workers", []) if n)
-                if "barrier" in name
-                else "-",
-            ]
-        )
-    print_table(
-        f"Launch: trivial 2-rank all-reduce, medians of {args.repeats} (s)",
-        [
-            "variant",
-            "median",
-            "min",
-            "max",
-            "x torchrun",
-            "cold/warm",
-            "CPU s",
-            "target",
-            "design/ref",
-            "runs",
-            "fresh py workers",
-        ],
-        rows,
-    )
-    print(
-        f"*_cold: the warm agent off ({common.WARM_AGENT_ENV}=0); cold/warm: its median over the "
-        "default variant's\ntarget: issue 16's goals for ours (local "
-        f"{TARGETS['local']:g}x, barrier {TARGETS['barrier']:g}x); design/ref: the earlier "
-        f"goals (local {DESIGN_TARGETS['local']:g}x, barrier {DESIGN_TARGETS['barrier']:g}x), "
-        "pyspark's figures measured earlier (1.3x, 2.8x)\nCPU s: CPU seconds of the driver and "
-        "of every process it reaped (the whole run in local mode; barrier-mode ranks are the "
-        "JVM's)\nfresh py workers: barrier runs that found Spark's Python workers gone (Spark "
-        "stops them after 1 minute idle) and paid for new ones"
-    )
-
     breakdown: dict[str, Any] = {}
     if args.breakdown_runs > 0:
-        probe_figures = probes()
-        print_table(
-            "Probes: a fresh interpreter, then the imports (median of 3, s)",
-            ["probe", "seconds"],
-            list(probe_figures.items()),
-        )
         for name in variants:
             runs = []
             for index in range(args.breakdown_runs):
@@ -602,26 +446,23 @@ def main(argv: list[str] | None = None) -> int:
                     touch()
                     runs.append(one_breakdown(launchers, name))
                 except Exception as exc:
-                    log(
-                        f"breakdown {name} run {index + 1}: FAILED {type(exc).__name__}: {str(exc)[:300]}"
-                    )
+                    log(f"breakdown {name} run {index + 1}: FAILED {type(exc).__name__}: {exc}")
             if not runs:
                 breakdown[name] = {"error": "every instrumented run failed"}
                 continue
             labels = sorted({k for run in runs for k in run["events"]})
             events = {k: median([r["events"][k] for r in runs if k in r["events"]]) for k in labels}
-            rows_b = phases(name, {k: v for k, v in events.items() if v is not None})
             breakdown[name] = {
                 "events_s": dict(sorted(events.items(), key=lambda kv: kv[1] or 0.0)),
-                "phases": [{"phase": p, "seconds": s, "how": how} for p, s, how in rows_b],
+                "phases": [
+                    {"phase": p, "seconds": s, "how": how}
+                    for p, s, how in phases(
+                        name, {k: v for k, v in events.items() if v is not None}
+                    )
+                ],
                 "runs": len(runs),
             }
-            print_table(
-                f"Breakdown: {name} (instrumented, median of {len(runs)} run(s))",
-                ["phase", "seconds", "how"],
-                rows_b,
-            )
-        breakdown["_probes"] = probe_figures
+        breakdown["_probes"] = probes()
         breakdown["_notes"] = (
             "Rank-side marks are time.time() in the rank; process starts come from /proc (10 ms "
             "ticks) against a boot time from /proc/uptime; driver steps of ours are timed by "
@@ -630,50 +471,32 @@ def main(argv: list[str] | None = None) -> int:
             "probes) plus the rendezvous store and the spawning of ranks: that split is inferred "
             "from the probes, not measured inside the agent."
         )
-
-    common.write_results(
-        args.name,
-        {
-            "repeats": args.repeats,
-            "warmup": args.warmup,
-            "use_gpu": args.gpu,
-            "warm_python_workers": args.warm_python_workers,
-            "variants": results,
-            "baseline": "torchrun",
-            "targets": TARGETS,
-            "design_targets": DESIGN_TARGETS,
-            "warm_agent_env": common.WARM_AGENT_ENV,
-            "pyspark_reference": PYSPARK_MEASURED,
-            "breakdown": breakdown,
-        },
-        machine,
-    )
     if session is not None:
         session.stop()
-    return 0
+    return {
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "use_gpu": args.gpu,
+        "warm_python_workers": args.warm_python_workers,
+        "variants": results,
+        "baseline": "torchrun",
+        "targets": TARGETS,
+        "design_targets": DESIGN_TARGETS,
+        "warm_agent_env": common.WARM_AGENT_ENV,
+        "pyspark_reference": PYSPARK_MEASURED,
+        "breakdown": breakdown,
+    }
 
 
 # -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
 TITLE = "Launch"
 
 
-LAUNCH_TARGETS = {"local": 0.3, "barrier": 0.6}
-
-
-def _launch_targets(s: dict[str, Any], mode: str) -> tuple[float | None, float | None]:
-    """(issue 16's target, the earlier design target) of one launch variant."""
-    if "design_target_ratio" in s:
-        return s.get("target_ratio"), s.get("design_target_ratio")
-    # written before issue 16: its target_ratio is the design target
-    return (LAUNCH_TARGETS.get(mode) if s.get("target_ratio") else None), s.get("target_ratio")
-
-
 def render(doc: dict[str, Any]) -> str:
     """This benchmark\'s section of benchmarks/README.md, from its JSON."""
     rows = []
     for name, s in doc["variants"].items():
-        mode = "local" if "local" in name else "barrier"
-        target, design = _launch_targets(s, mode)
+        target, design = s.get("target_ratio"), s.get("design_target_ratio")
         ratio = s.get("ratio_vs_torchrun")
         warm = s.get("warm_agent")
         rows.append(
@@ -737,7 +560,20 @@ def render(doc: dict[str, Any]) -> str:
     if probes:
         out.append("What single steps cost on this machine (one process each, seconds):")
         out.append(pages.table(["step", "seconds"], [[k, pages.num(v)] for k, v in probes.items()]))
+    out.append(READING)
     return "\n\n".join(out) + pages.notes(breakdown.get("_notes"))
+
+
+READING = (
+    "Reading it: ranks are forked (through their supervisors) from the torchrun agent, which "
+    "has already imported torch (DESIGN section 9), and after a driver's (or Spark Python "
+    "worker's) first run the agent itself is forked from the warm agent, a fork server that "
+    "imported torch once. What is left is torchrun's own work (rendezvous, starting and "
+    "watching the workers, the exit) and ours (channel, Spark job); with 2+ nodes the agents "
+    "poll the rendezvous in proportion to their number instead of every second. The `*_cold` "
+    "variants, run side by side with `SPARKTORCH_OPS_WARM_AGENT=0`, pay the agent's "
+    "interpreter and `import torch` (two at once on 2 cores in barrier mode)."
+)
 
 
 def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
@@ -754,7 +590,7 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
             continue
         worst = max(ours, key=lambda s: s.get("ratio_vs_torchrun") or 0.0)
         ratio = worst.get("ratio_vs_torchrun")
-        target, _ = _launch_targets(worst, mode)
+        target = worst.get("target_ratio")
         cold = [
             s.get("ratio_vs_torchrun")
             for name, s in v.items()
@@ -775,5 +611,31 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"comma-separated; also {', '.join(OPTIONAL_VARIANTS)}",
+    )
+    parser.add_argument(
+        "--breakdown-runs", type=int, default=1, help="instrumented runs per variant (0: none)"
+    )
+    parser.add_argument(
+        "--gpu", action="store_true", help="use_gpu=True, nccl (torchrun and ours local only)"
+    )
+    common.warm_python_workers_option(parser)
+
+
+BENCH = pages.Benchmark(
+    name=NAME,
+    title=TITLE,
+    measure=measure,
+    render=render,
+    summary=summary_rows,
+    options=options,
+    defaults={"timeout": 300},
+    headline=True,
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))

@@ -29,7 +29,7 @@ from typing import Any
 
 import common
 import pages
-from common import JOBS_SCRIPT, log, median, print_table, ratio
+from common import JOBS_SCRIPT, median, ratio
 
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
@@ -94,14 +94,11 @@ class FileLogger:
 
 def build_variants(count: int, control: bool, timeout: float) -> dict[str, Callable[[], Any]]:
     """name -> run once; ours return (the log sink, lines expected per rank)."""
-    from sparktorch_ops import TorchDistributor
 
     def ours(lines: int, as_function: bool) -> Callable[[], Any]:
         def run() -> Any:
             sink = FileLogger()
-            distributor = TorchDistributor(
-                num_processes=2, local_mode=True, use_gpu=False, logger=sink.logger, timeout=timeout
-            )
+            distributor = common.ours(logger=sink.logger, timeout=timeout)
             if as_function:
                 distributor.run(jobs.print_lines, lines)
             else:
@@ -139,126 +136,46 @@ def check(name: str, value: Any) -> dict[str, Any] | None:
     return {"log_bytes": size, **found}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--lines", type=int, default=20_000, help="lines per rank")
-    parser.add_argument(
-        "--no-control", dest="control", action="store_false", help="skip the 0-line runs"
-    )
-    parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--settle", type=float, default=0.5)
-    parser.add_argument("--name", default=NAME)
-    args = parser.parse_args(argv)
-
-    machine = common.machine_info()
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     variants = build_variants(args.lines, args.control, args.timeout)
     series = common.alternate(
         variants, args.repeats, warmup=args.warmup, check=check, settle_s=args.settle
     )
-    base = median(series["torchrun"].seconds)
-    base0 = median(series["torchrun_0_lines"].seconds) if args.control else None
     results: dict[str, Any] = {}
-    rows = []
     for name, s in series.items():
         summary = s.summary()
-        is_control = name.endswith("_0_lines")
-        reference = base0 if is_control else base
-        summary["ratio_vs_torchrun"] = ratio(summary["median_s"], reference)
+        reference = "torchrun_0_lines" if name.endswith("_0_lines") else "torchrun"
+        summary["ratio_vs_torchrun"] = ratio(summary["median_s"], median(series[reference].seconds))
         if name.startswith("ours"):
             summary["verified_runs"] = len(s.extra)
         results[name] = summary
-        rows.append(
-            [
-                name,
-                summary["median_s"],
-                summary["ratio_vs_torchrun"],
-                None if is_control or not name.startswith("ours") else TARGET_RATIO,
-                summary["driver_cpu_median_s"],
-                summary["tree_cpu_median_s"],
-                f"{summary.get('verified_runs', 0)}/{summary['runs']}"
-                if name.startswith("ours")
-                else "-",
-                f"{len(summary['errors'])} failed" if summary["errors"] else "",
-            ]
-        )
-    print_table(
-        f"Logs: 2 ranks x {args.lines} lines, medians of {args.repeats} (s)",
-        [
-            "variant",
-            "median",
-            "x torchrun",
-            "target",
-            "driver CPU",
-            "all CPU",
-            "verified",
-            "errors",
-        ],
-        rows,
-    )
-    print("all CPU: CPU seconds of the driver and every process of the run (reaped children)")
-    lines_cost: dict[str, float | None] = {}
+    cost: dict[str, float | None] = {}
     if args.control:
-        pairs = (
-            ("torchrun", "torchrun_0_lines"),
-            ("ours_local_script", "ours_local_script_0_lines"),
-        )
-        for name, zero_name in pairs:
+
+        def less(a: Any, b: Any) -> float | None:
+            return None if a is None or b is None else a - b
+
+        for name in ("torchrun", "ours_local_script"):
             for what, key in (("wall", "median_s"), ("cpu", "tree_cpu_median_s")):
-                full, zero = results[name][key], results[zero_name][key]
-                lines_cost[f"{name}_{what}_s"] = (
-                    None if full is None or zero is None else full - zero
-                )
+                cost[f"{name}_{what}_s"] = less(results[name][key], results[f"{name}_0_lines"][key])
         for what in ("wall", "cpu"):
-            ours_cost = lines_cost[f"ours_local_script_{what}_s"]
-            bare_cost = lines_cost[f"torchrun_{what}_s"]
-            lines_cost[f"ours_extra_{what}_s"] = (
-                None if ours_cost is None or bare_cost is None else ours_cost - bare_cost
+            cost[f"ours_extra_{what}_s"] = less(
+                cost[f"ours_local_script_{what}_s"], cost[f"torchrun_{what}_s"]
             )
-        print_table(
-            f"What the {2 * args.lines} lines add over a 0-line run (medians, s)",
-            ["launcher", "wall", "CPU (all processes)"],
-            [
-                [
-                    "torchrun (to /dev/null)",
-                    lines_cost["torchrun_wall_s"],
-                    lines_cost["torchrun_cpu_s"],
-                ],
-                [
-                    "ours (to a FileHandler)",
-                    lines_cost["ours_local_script_wall_s"],
-                    lines_cost["ours_local_script_cpu_s"],
-                ],
-                [
-                    "ours - torchrun",
-                    lines_cost["ours_extra_wall_s"],
-                    lines_cost["ours_extra_cpu_s"],
-                ],
-            ],
-        )
-    common.write_results(
-        args.name,
-        {
-            "repeats": args.repeats,
-            "warmup": args.warmup,
-            "lines_per_rank": args.lines,
-            "ranks": 2,
-            "target_ratio": TARGET_RATIO,
-            "variants": results,
-            "lines_cost_s": lines_cost,
-            "notes": (
-                "torchrun's ranks write to /dev/null (block-buffered); ours' ranks run with -u and "
-                "every line goes rank -> supervisor -> channel -> logger -> FileHandler (flushed "
-                "per record). Every run of ours is verified line by line (count and order per rank)."
-            ),
-        },
-        machine,
-    )
-    log("done")
-    return 0
+    return {
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "lines_per_rank": args.lines,
+        "ranks": 2,
+        "target_ratio": TARGET_RATIO,
+        "variants": results,
+        "lines_cost_s": cost,
+        "notes": (
+            "torchrun's ranks write to /dev/null (block-buffered); ours' ranks run with -u and "
+            "every line goes rank -> supervisor -> channel -> logger -> FileHandler (flushed "
+            "per record). Every run of ours is verified line by line (count and order per rank)."
+        ),
+    }
 
 
 # -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
@@ -267,18 +184,20 @@ TITLE = "Logs"
 
 def render(doc: dict[str, Any]) -> str:
     """This benchmark\'s section of benchmarks/README.md, from its JSON."""
-    rows = [
-        [
-            f"`{name}`",
-            pages.num(s.get("median_s")),
-            pages.spread(s),
-            pages.num(s.get("ratio_vs_torchrun"), suffix="x"),
-            pages.num(s.get("driver_cpu_median_s")),
-            pages.num(s.get("tree_cpu_median_s")),
-            f"{s.get('verified_runs', '-')}/{s.get('runs')}" if name.startswith("ours") else "-",
-            pages.errors(s),
-        ]
-        for name, s in doc["variants"].items()
+    cols: list[pages.Column] = [
+        ("variant", pages.name),
+        ("seconds", pages.field_("median_s")),
+        ("min-max s", pages.min_max),
+        ("vs torchrun", pages.field_("ratio_vs_torchrun", suffix="x")),
+        ("driver CPU s", pages.field_("driver_cpu_median_s")),
+        ("all CPU s", pages.field_("tree_cpu_median_s")),
+        (
+            "verified",
+            lambda n, s: (
+                f"{s.get('verified_runs', '-')}/{s.get('runs')}" if n.startswith("ours") else "-"
+            ),
+        ),
+        ("errors", lambda _n, s: pages.errors(s)),
     ]
     cost = doc.get("lines_cost_s") or {}
     tail = (
@@ -293,21 +212,11 @@ def render(doc: dict[str, Any]) -> str:
         f"{doc.get('ranks', 2)} ranks x {doc.get('lines_per_rank')} lines, target <= "
         f"{doc.get('target_ratio')}x of bare torchrun, median of {doc.get('repeats')}; "
         "`*_0_lines` variants print nothing (the same job otherwise).\n\n"
-        + pages.table(
-            [
-                "variant",
-                "seconds",
-                "min-max s",
-                "vs torchrun",
-                "driver CPU s",
-                "all CPU s",
-                "verified",
-                "errors",
-            ],
-            rows,
-        )
+        + pages.columns(cols, doc["variants"])
         + tail
         + pages.notes(doc.get("notes"))
+        + "\n\nReading it: the `*_0_lines` variants are the same job printing nothing; the "
+        "difference is what the lines themselves cost."
     )
 
 
@@ -335,5 +244,23 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lines", type=int, default=20_000, help="lines per rank")
+    parser.add_argument(
+        "--no-control", dest="control", action="store_false", help="skip the 0-line runs"
+    )
+
+
+BENCH = pages.Benchmark(
+    name=NAME,
+    title=TITLE,
+    measure=measure,
+    render=render,
+    summary=summary_rows,
+    options=options,
+    defaults={"timeout": 300},
+    quick=("--repeats=1", "--warmup=0", "--lines=2000"),
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))

@@ -1,7 +1,7 @@
 """Driver memory: the RSS a run adds to the driver, its peak during a run, and whether it grows.
 
 The driver's RSS is read after ``gc.collect()`` at start, after importing the distributor,
-and after every run; a thread samples it every 10 ms during each run for the peak. Then ``--runs``
+and after every run; a thread samples it every 10 ms during each run for the peak. Then ``--repeats``
 runs in a row (default 20) show whether it stays flat: the slope over the runs after the first
 is the figure to watch (a leak shows up as MiB per run).
 
@@ -10,7 +10,7 @@ logger that drops them: what log streaming keeps in the driver). Local mode by d
 ``--mode barrier`` runs on a ``local[2]`` session (the JVM's memory is not the driver's and is
 reported apart).
 
-    python benchmarks/memory.py --runs 20
+    python benchmarks/memory.py --repeats 20
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import common
 import pages
 import psutil
-from common import RssSampler, log, print_table
+from common import RssSampler, log
 
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
@@ -62,28 +62,15 @@ def settled_rss() -> float:
     return common.rss_mib()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--mode", choices=["local", "barrier"], default="local")
-    parser.add_argument("--job", choices=["allreduce", "lines"], default="allreduce")
-    parser.add_argument("--lines", type=int, default=20_000, help="lines per rank for --job lines")
-    parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--name", default=NAME)
-    args = parser.parse_args(argv)
-
-    machine = common.machine_info()
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     rss: dict[str, Any] = {"start": settled_rss()}
     session = None
     if args.mode == "barrier":
         session = common.start_spark("local[2]")
         rss["after_spark_session"] = settled_rss()
-    from sparktorch_ops import TorchDistributor
+    import sparktorch_ops.distributor  # noqa: F401  (what the import adds is a figure)
 
     rss["after_import"] = settled_rss()
-    logger = common.quiet_logger()
     if args.job == "allreduce":
         job: Any = jobs.allreduce
         expected: Any = 3.0
@@ -92,15 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         expected = args.lines
 
     runs = []
-    for index in range(args.runs):
+    for index in range(args.repeats):
         before = settled_rss()
-        distributor = TorchDistributor(
-            num_processes=2,
-            local_mode=args.mode == "local",
-            use_gpu=False,
-            spark=session,
-            logger=logger,
-            timeout=args.timeout,
+        distributor = common.ours(
+            local_mode=args.mode == "local", spark=session, timeout=args.timeout
         )
         with RssSampler(interval=0.01) as sampler:
             value = distributor.run(job)
@@ -117,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         log(
-            f"run {index + 1}/{args.runs}: before {before:.1f}, peak {sampler.peak_mib:.1f}, after {after:.1f} MiB"
+            f"run {index + 1}/{args.repeats}: before {before:.1f}, peak {sampler.peak_mib:.1f}, after {after:.1f} MiB"
         )
 
     afters = [r["after_mib"] for r in runs]
@@ -130,40 +112,21 @@ def main(argv: list[str] | None = None) -> int:
         "slope_after_first_mib_per_run": slope(afters[1:]),
         "jvm_rss_mib": jvm_rss_mib(),
     }
-    print_table(
-        f"Driver RSS (MiB), {args.mode} mode, job {args.job}",
-        ["point", "RSS MiB"],
-        [[k, v] for k, v in rss.items()]
-        + [
-            [f"after run {r['run']} (peak during: {r['peak_mib']:.1f})", r["after_mib"]]
-            for r in runs
-        ],
-    )
-    print_table(
-        "Summary (MiB)",
-        ["figure", "value"],
-        [[k, v] for k, v in summary.items()],
-    )
-    common.write_results(
-        args.name,
-        {
-            "mode": args.mode,
-            "job": args.job,
-            "runs": args.runs,
-            "rss_mib": rss,
-            "per_run": runs,
-            "summary": summary,
-            "notes": (
-                "RSS read after gc.collect(); peaks sampled every 10 ms. 'first_run_added' includes "
-                "one-time costs (modules imported lazily by the first run); the slope over the later "
-                "runs is what a leak would show."
-            ),
-        },
-        machine,
-    )
     if session is not None:
         session.stop()
-    return 0
+    return {
+        "mode": args.mode,
+        "job": args.job,
+        "runs": args.repeats,
+        "rss_mib": rss,
+        "per_run": runs,
+        "summary": summary,
+        "notes": (
+            "RSS read after gc.collect(); peaks sampled every 10 ms. 'first_run_added' includes "
+            "one-time costs (modules imported lazily by the first run); the slope over the later "
+            "runs is what a leak would show."
+        ),
+    }
 
 
 # -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
@@ -212,5 +175,22 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mode", choices=["local", "barrier"], default="local")
+    parser.add_argument("--job", choices=["allreduce", "lines"], default="allreduce")
+    parser.add_argument("--lines", type=int, default=20_000, help="lines per rank for --job lines")
+
+
+BENCH = pages.Benchmark(
+    name=NAME,
+    title=TITLE,
+    measure=measure,
+    render=render,
+    summary=summary_rows,
+    options=options,
+    defaults={"repeats": 20, "timeout": 300},
+    quick=("--repeats=3",),
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))

@@ -23,7 +23,7 @@ from typing import Any
 
 import common
 import pages
-from common import RssSampler, log, median, print_table, ratio
+from common import RssSampler, log, median, ratio
 
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
@@ -31,17 +31,13 @@ if __name__ == "__main__":  # not in a Spark worker that imports this module for
 import jobs
 
 NAME = "result"
-MIB = 256
 TARGET_SPEEDUP = 3.0
 
 
 def build_variants(
-    session: Any, modes: list[str], control: bool, timeout: float
+    session: Any, modes: list[str], control: bool, timeout: float, mib: int
 ) -> dict[str, Callable[[], Any]]:
     """name -> run once (returns (value, peak driver RSS MiB, RSS before MiB))."""
-    from sparktorch_ops import TorchDistributor
-
-    logger = common.quiet_logger()
 
     def sampled(run: Callable[[], Any]) -> Callable[[], Any]:
         def wrapper() -> Any:
@@ -53,31 +49,20 @@ def build_variants(
         return wrapper
 
     def ours(local_mode: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
-        distributor = functools.partial(
-            TorchDistributor,
-            num_processes=2,
-            local_mode=local_mode,
-            use_gpu=False,
-            spark=None if local_mode else session,
-            logger=logger,
-            timeout=timeout,
+        spark = None if local_mode else session
+        return sampled(
+            lambda: common.ours(local_mode=local_mode, spark=spark, timeout=timeout).run(fn)
         )
-        return sampled(lambda: distributor().run(fn))
 
     def pyspark(local_mode: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
-        def on_timeout() -> None:
-            session.sparkContext.cancelAllJobs()
-            common.kill_descendants("torch_run_process_wrapper")
-            common.kill_descendants("torch.distributed.run")
-
         def run() -> Any:
             distributor = common.pyspark_distributor(local_mode)
-            return common.run_with_timeout(lambda: distributor.run(fn), timeout, on_timeout)
+            return common.pyspark_run(session, lambda: distributor.run(fn), timeout)
 
         return sampled(run)
 
-    tensor = functools.partial(jobs.big_tensor, MIB, True)
-    size_only = functools.partial(jobs.big_tensor, MIB, False)
+    tensor = functools.partial(jobs.big_tensor, mib, True)
+    size_only = functools.partial(jobs.big_tensor, mib, False)
     variants: dict[str, Callable[[], Any]] = {}
     for mode in modes:
         local_mode = mode == "local"
@@ -89,12 +74,12 @@ def build_variants(
     return variants
 
 
-def check(name: str, outcome: Any) -> dict[str, Any]:
+def check(mib: int, name: str, outcome: Any) -> dict[str, Any]:
     """The tensor must come back whole (or, for a control run, its size); keep the RSS peak."""
     import torch
 
     value, peak, before = outcome
-    expected = MIB * 1024 * 1024 // 4
+    expected = mib * 1024 * 1024 // 4
     if name.endswith("_control"):
         if value != expected:
             raise AssertionError(f"{name} returned {value!r}, expected {expected}")
@@ -106,116 +91,57 @@ def check(name: str, outcome: Any) -> dict[str, Any]:
     return {"peak_rss_mib": peak, "rss_before_mib": before, "peak_added_mib": peak - before}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--modes", default="local,barrier", help="comma-separated: local, barrier")
-    parser.add_argument("--no-control", dest="control", action="store_false")
-    parser.add_argument("--timeout", type=float, default=600, help="per run, seconds")
-    parser.add_argument("--settle", type=float, default=1.0)
-    parser.add_argument(
-        "--no-warm-python-workers",
-        dest="warm_python_workers",
-        action="store_false",
-        help="let Spark reap its idle Python workers between runs (barrier runs then start cold)",
-    )
-    parser.add_argument("--name", default=NAME)
-    args = parser.parse_args(argv)
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-
-    machine = common.machine_info()
     log("importing torch in the driver (both distributors unpickle the tensor here)")
     import torch  # noqa: F401
 
     log("starting a local[2] SparkSession (pyspark's TorchDistributor needs one in both modes)")
     session = common.start_spark("local[2]")
     common.ship_by_value_for_pyspark(jobs)
-    variants = build_variants(session, modes, args.control, args.timeout)
     series = common.alternate(
-        variants,
+        build_variants(session, modes, args.control, args.timeout, args.mib),
         args.repeats,
         warmup=args.warmup,
-        check=check,
+        check=functools.partial(check, args.mib),
         settle_s=args.settle,
         before_each=(lambda _name: common.touch_python_workers(session))
         if args.warm_python_workers
         else None,
     )
-
+    session.stop()
     results: dict[str, Any] = {}
-    rows = []
     for name, s in series.items():
-        summary = s.summary()
-        summary["peak_added_rss_mib_median"] = median([e["peak_added_mib"] for e in s.extra])
-        results[name] = summary
+        results[name] = s.summary()
+        results[name]["peak_added_rss_mib_median"] = median([e["peak_added_mib"] for e in s.extra])
     for mode in modes:
-        ours, theirs = results[f"ours_{mode}"], results[f"pyspark_{mode}"]
-        speedup = ratio(theirs["median_s"], ours["median_s"])
         transfer: dict[str, float | None] = {}
         if args.control:
             for who in ("ours", "pyspark"):
                 full = results[f"{who}_{mode}"]["median_s"]
                 zero = results[f"{who}_{mode}_control"]["median_s"]
                 transfer[who] = None if full is None or zero is None else full - zero
-        transfer_speedup = ratio(transfer.get("pyspark"), transfer.get("ours"))
         results[f"summary_{mode}"] = {
-            "speedup_total": speedup,
+            "speedup_total": ratio(
+                results[f"pyspark_{mode}"]["median_s"], results[f"ours_{mode}"]["median_s"]
+            ),
             "transfer_s": transfer,
-            "speedup_transfer": transfer_speedup,
+            "speedup_transfer": ratio(transfer.get("pyspark"), transfer.get("ours")),
             "target_speedup": TARGET_SPEEDUP,
         }
-        for who, summary in (("ours", ours), ("pyspark", theirs)):
-            rows.append(
-                [
-                    f"{who}_{mode}",
-                    summary["median_s"],
-                    results.get(f"{who}_{mode}_control", {}).get("median_s"),
-                    transfer.get(who),
-                    summary["peak_added_rss_mib_median"],
-                    f"{summary['runs']} ok"
-                    + (f", {len(summary['errors'])} failed" if summary["errors"] else ""),
-                ]
-            )
-        rows.append(
-            [
-                f"  pyspark/ours ({mode})",
-                speedup,
-                None,
-                transfer_speedup,
-                None,
-                f"target >= {TARGET_SPEEDUP:g}x",
-            ]
-        )
-    print_table(
-        f"Result: rank 0 returns a {MIB} MiB tensor, medians of {args.repeats} (s)",
-        ["variant", "with tensor", "control", "transfer", "peak +RSS MiB", "runs"],
-        rows,
-    )
-    for name, s in series.items():
-        for error in s.errors[:1]:
-            print(f"{name} failed: {error[:400]}")
-    common.write_results(
-        args.name,
-        {
-            "repeats": args.repeats,
-            "warmup": args.warmup,
-            "tensor_mib": MIB,
-            "warm_python_workers": args.warm_python_workers,
-            "target_speedup": TARGET_SPEEDUP,
-            "variants": results,
-            "notes": (
-                "'transfer' = median with the tensor - median of the control run (same tensor "
-                "built, only its size returned). peak +RSS = the driver's peak RSS during the run "
-                "minus its RSS before, sampled every 20 ms. Every returned tensor is checked."
-            ),
-        },
-        machine,
-    )
-    session.stop()
-    return 0
+    return {
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "tensor_mib": args.mib,
+        "warm_python_workers": args.warm_python_workers,
+        "target_speedup": TARGET_SPEEDUP,
+        "variants": results,
+        "notes": (
+            "'transfer' = median with the tensor - median of the control run (same tensor "
+            "built, only its size returned). peak +RSS = the driver's peak RSS during the run "
+            "minus its RSS before, sampled every 20 ms. Every returned tensor is checked."
+        ),
+    }
 
 
 # -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
@@ -268,6 +194,10 @@ def render(doc: dict[str, Any]) -> str:
             speedups,
         )
         + pages.notes(doc.get("notes"))
+        + "\n\nReading it: local mode misses the 3x target because pyspark's local mode passes "
+        "the value through a file, so its transfer is not much slower than our channel. Our "
+        "driver's peak is about twice the value: the result is unpickled straight from the "
+        "chunks it arrived in."
     )
 
 
@@ -289,5 +219,24 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mib", type=int, default=256, help="the tensor's size")
+    parser.add_argument("--modes", default="local,barrier", help="comma-separated: local, barrier")
+    parser.add_argument("--no-control", dest="control", action="store_false")
+    common.warm_python_workers_option(parser)
+
+
+BENCH = pages.Benchmark(
+    name=NAME,
+    title=TITLE,
+    measure=measure,
+    render=render,
+    summary=summary_rows,
+    options=options,
+    defaults={"settle": 1.0},
+    quick=("--repeats=1", "--warmup=0", "--mib=16"),
+    headline=True,
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))

@@ -1,16 +1,17 @@
 """Run the benchmarks, then render their JSON into benchmarks/README.md and README's summary.
 
-    python benchmarks/run_all.py --repeats 5          # all benchmarks, then render the pages
+    python benchmarks/run_all.py                      # all benchmarks, then render the pages
     python benchmarks/run_all.py --only launch,logs   # some of them, then render the pages
+    python benchmarks/run_all.py --quick              # each one's smallest run (quick_*.json)
     python benchmarks/run_all.py --markdown           # only render benchmarks/results/*.json
     python benchmarks/run_all.py --markdown --check   # exit 1 if a page is out of date
 
 Rendering writes two things, both from ``benchmarks/results/*.json`` and nothing else:
-``benchmarks/README.md`` (every detailed table) and the headline table between
+``benchmarks/README.md`` (every section) and the headline table between
 ``<!-- bench-summary:start -->`` and ``<!-- bench-summary:end -->`` in the top-level README.
-Each benchmark module renders its own section (``TITLE``, ``render(doc)``, and its rows of the
-headline table, ``summary_rows(doc)``); this script only collects them. Rendering imports no
-torch or Spark and takes seconds, and the same JSON always gives the same bytes.
+Each benchmark declares its ``BENCH`` (``pages.Benchmark``: title, what it measures, its
+section and its headline rows); this script only collects them. Rendering imports no torch or
+Spark and takes seconds, and the same JSON always gives the same bytes.
 
 Each benchmark is its own process (only one SparkContext per process, and a fresh driver for
 the memory figures); run them on a quiet machine: the figures are wall-clock times.
@@ -25,7 +26,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pages
@@ -34,6 +34,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 PAGE = BENCH_DIR / "README.md"
 TOP_README = BENCH_DIR.parent / "README.md"
+# The benchmark modules, in the page's order.
 ORDER = (
     "cold_start",
     "scheduled_task",
@@ -42,7 +43,6 @@ ORDER = (
     "result",
     "memory",
     "throughput",
-    "fork_ab",
     "dataframe_input",
     "checkpoint",
     "connect_launch",
@@ -52,17 +52,7 @@ ORDER = (
     "sweep_dag",
     "deferred",
     "stalls",
-)
-# The top-level README is a newcomer's page: its table holds these benchmarks' headline rows;
-# benchmarks/README.md has every benchmark's.
-README_HEADLINES = (
-    "cold_start",
-    "scheduled_task",
-    "launch",
-    "result",
-    "throughput",
-    "checkpoint",
-    "deferred",
+    "gpu.gpu_bench",
 )
 SUMMARY_START = "<!-- bench-summary:start -->"
 SUMMARY_END = "<!-- bench-summary:end -->"
@@ -72,84 +62,49 @@ GENERATED = (
 )
 
 
-def commands(repeats: int, memory_runs: int) -> dict[str, list[str]]:
-    """The command line of each benchmark."""
-    py = sys.executable
-    return {
-        "cold_start": [py, str(BENCH_DIR / "cold_start.py"), "--repeats=3"],
-        "scheduled_task": [py, str(BENCH_DIR / "scheduled_task.py"), "--repeats=3"],
-        "launch": [py, str(BENCH_DIR / "launch.py"), f"--repeats={repeats}"],
-        "logs": [py, str(BENCH_DIR / "logs.py"), f"--repeats={repeats}"],
-        "result": [py, str(BENCH_DIR / "result.py"), f"--repeats={repeats}"],
-        "memory": [py, str(BENCH_DIR / "memory.py"), f"--runs={memory_runs}"],
-        # paired rounds for a confidence interval: its own default (--repeats), not 5
-        "throughput": [py, str(BENCH_DIR / "throughput.py")],
-        # paired sessions (--sessions, its own default), not --repeats
-        "fork_ab": [py, str(BENCH_DIR / "fork_ab.py")],
-        "dataframe_input": [py, str(BENCH_DIR / "dataframe_input.py"), "--repeats=3"],
-        "checkpoint": [py, str(BENCH_DIR / "checkpoint.py"), f"--repeats={repeats}"],
-        "connect_launch": [py, str(BENCH_DIR / "connect_launch.py"), f"--repeats={repeats}"],
-        "airflow_scheduler": [py, str(BENCH_DIR / "airflow_scheduler.py"), "--repeats=2"],
-        "served_flow": [py, str(BENCH_DIR / "served_flow.py")],
-        "concurrency": [py, str(BENCH_DIR / "concurrency.py"), f"--repeats={repeats}"],
-        "sweep_dag": [py, str(BENCH_DIR / "sweep_dag.py")],
-        "deferred": [py, str(BENCH_DIR / "deferred.py"), "--repeats=3"],
-        "stalls": [py, str(BENCH_DIR / "stalls.py"), "--repeats=3"],
-    }
+def benchmarks(names: tuple[str, ...] = ORDER) -> dict[str, pages.Benchmark]:
+    """Each module's declaration, by module name."""
+    return {name: importlib.import_module(name).BENCH for name in names}
 
 
-# -- collecting the sections: each benchmark renders its own (``TITLE``, ``render``) -------
-def _module(name: str) -> ModuleType:
-    """A benchmark's module (``benchmarks/<name>.py``), for its ``TITLE`` and renderers."""
-    return importlib.import_module(name)
+def script(module: str) -> Path:
+    """A benchmark module's script."""
+    return BENCH_DIR / (module.replace(".", "/") + ".py")
+
+
+def about(module: str) -> str:
+    """What a benchmark measures: its docstring's first paragraph, as markdown."""
+    doc = importlib.import_module(module).__doc__ or ""
+    return " ".join(doc.split("\n\n")[0].split()).replace("``", "`")
 
 
 def load_results(
     results_dir: Path = RESULTS_DIR, names: tuple[str, ...] = ORDER, prefix: str = ""
-) -> dict[str, dict[str, Any]]:
-    """The JSON of each benchmark found in ``results_dir`` (missing files are skipped)."""
+) -> dict[str, tuple[pages.Benchmark, dict[str, Any]]]:
+    """Each benchmark with its JSON in ``results_dir`` (those without one are skipped)."""
     docs = {}
-    for name in names:
-        path = results_dir / f"{prefix}{name}.json"
+    for module, bench in benchmarks(names).items():
+        path = results_dir / bench.folder / f"{prefix}{bench.name}.json"
         if path.exists():
-            docs[name] = json.loads(path.read_text())
+            docs[module] = (bench, json.loads(path.read_text()))
     return docs
 
 
-def render_markdown(
-    results_dir: Path = RESULTS_DIR, names: tuple[str, ...] = ORDER, prefix: str = ""
-) -> str:
-    """The results found in ``results_dir`` as markdown (one section per benchmark).
-
-    Args:
-        results_dir: where the JSON files are.
-        names: which benchmarks, in this order (missing files are skipped).
-        prefix: file name prefix (``smoke_`` for ``smoke_launch.json`` and so on).
-    """
-    sections = []
-    for name, doc in load_results(results_dir, names, prefix).items():
-        module = _module(name)
-        sections.append(f"## {module.TITLE}\n\n{module.render(doc)}\n\n{pages.machine_line(doc)}")
-    return "\n\n".join(sections) + "\n"
-
-
-def render_summary(docs: dict[str, dict[str, Any]]) -> str:
-    """One small table of the headline ratios: the rows of each benchmark that has any
-    (``summary_rows``), in ``ORDER``."""
+def render_summary(docs: dict[str, tuple[pages.Benchmark, dict[str, Any]]]) -> str:
+    """One small table of the headline ratios: the rows of each benchmark that has any."""
     if not docs:
         return "No benchmark results yet: run `python benchmarks/run_all.py`."
     rows: list[list[str]] = []
-    for name, doc in docs.items():
-        summary_rows = getattr(_module(name), "summary_rows", None)
-        if summary_rows is not None:
-            rows.extend(summary_rows(doc))
-    machine = next(iter(docs.values()), {}).get("machine", {})
+    for bench, doc in docs.values():
+        if bench.summary is not None:
+            rows.extend(bench.summary(doc))
+    machine = next(iter(docs.values()))[1].get("machine", {})
     repeats = sorted(
         {
-            str(d["repeats"])
-            for name, d in docs.items()
+            str(doc["repeats"])
+            for module, (_, doc) in docs.items()
             # checkpoint's, throughput's and dataframe_input's rows state their own
-            if "repeats" in d and name not in ("dataframe_input", "checkpoint", "throughput")
+            if "repeats" in doc and module not in ("dataframe_input", "checkpoint", "throughput")
         }
     )
     return (
@@ -160,7 +115,6 @@ def render_summary(docs: dict[str, dict[str, Any]]) -> str:
     )
 
 
-# -- the benchmarks page ---------------------------------------------------------------------
 INTRO = """\
 # Benchmarks
 
@@ -173,62 +127,26 @@ tables give medians and ratios. The jobs run 2 ranks with gloo on CPU unless sta
 
 | benchmark | script | what it measures |
 |---|---|---|
-| launch | `launch.py` | a trivial 2-rank all-reduce, from the call to its return: bare `torchrun` as a command; ours in local mode (function, script) and in barrier mode on a warm `local[2]` session, each by default (warm agent) and with the warm agent off (`*_cold`); pyspark's local and barrier mode. Plus where the time goes, phase by phase |
-| logs | `logs.py` | every rank prints 20,000 lines: bare torchrun writing to /dev/null vs ours delivering every line to a `FileHandler`, checked line by line (count and order per rank) |
-| result | `result.py` | rank 0 returns a 256 MiB tensor: ours vs pyspark, local and barrier mode; a control run builds the tensor but returns only its size, so the difference is the transfer |
-| memory | `memory.py` | the driver's RSS over 20 local runs in a row, in a fresh process: what a run adds, and whether it keeps growing |
-| throughput | `throughput.py` | a small CNN, DDP, fixed steps: samples/s (rank 0, steady state) of bare torchrun vs ours, with ranks forked (the default; function and script), with `--start-method=spawn` and with the warm agent off, in paired rounds with a bootstrap CI per ratio; per-step times, page faults, context switches, gc and threads inside the ranks |
-| forked vs fresh rank | `fork_ab.py` | one step of ours' rank and one of a bare torchrun rank in turn (FIFO token, same CPU), same CNN single-threaded: per-step speed ratio with a bootstrap CI; the control pairs bare torchrun with itself |
-| DataFrame input | `dataframe_input.py` | `train_on_dataframe` on a 2M and an 8M row x 32 float32 DataFrame (barrier mode), ranks reading every batch with `partition_loader` or nothing, next to one Spark pass over the rows as Arrow (the floor) and pyspark's `_train_on_dataframe`; where our time goes, phase by phase; rows/s and peak RSS per rank |
-| checkpoint | `checkpoint.py` | `sparktorch_ops.checkpoint` (`save` / `load_latest` on torch.distributed.checkpoint) of 100 MiB and 1000 MiB states: in one process next to `torch.save` / `torch.load`, and on 2 DDP ranks; and a save of the example's `DigitsCNN` next to one training step, as a share of an epoch |
-| sweep DAG | `sweep_dag.py` | `dags/sweep_digits.py` (three mapped trainings) under the real scheduler with the LocalExecutor's parallelism at 1 and at 3: the run's wall time |
-| several runs at once | `concurrency.py` | three 1-rank barrier runs on one `local[4]` session, from three threads at once vs one after another: wall time of all three |
-| GPU | `gpu/gpu_bench.py` | local mode with `use_gpu=True` and NCCL vs bare torchrun: launch, and DDP ResNet-50 images/s (see [GPU](#gpu)) |
+{index}
 
 ## Running them
 
 ```bash
 source scripts/env.sh                               # the project's .venv (bash scripts/venv.sh)
-python benchmarks/run_all.py --repeats 5            # every benchmark (about 50 minutes here)
+python benchmarks/run_all.py                        # every benchmark (about an hour here)
 python benchmarks/run_all.py --only launch,logs     # some of them
+python benchmarks/run_all.py --quick                # each one's smallest run, to quick_*.json
 python benchmarks/run_all.py --markdown             # only render the JSON (seconds; no torch, no Spark)
 python benchmarks/run_all.py --markdown --check     # exit 1 if a page is out of date
 python benchmarks/launch.py --help                  # each benchmark's own options
 ```
 
-Each benchmark is its own process and writes `benchmarks/results/<name>.json` (every sample,
-the machine, the commit). Each benchmark also renders its own section of this page and its
-rows of the summary table in the top-level README from that file (`render`, `summary_rows`);
-`run_all.py` collects them. Nothing here is copied by hand. Run on a quiet machine: the
-figures are wall-clock times.
-
-## Reading the figures
-
-- **Launch**: ranks are forked (through their supervisors) from the torchrun agent, which has
-  already imported torch (DESIGN section 9), and after a driver's (or Spark Python worker's)
-  first run the agent itself is forked from the warm agent, a fork server that imported torch
-  once. What is left is torchrun's own work (rendezvous, starting and watching the workers, the
-  exit) and ours (channel, Spark job); with 2+ nodes the agents poll the rendezvous in
-  proportion to their number instead of every second. The `*_cold` variants, run side by side
-  with `SPARKTORCH_OPS_WARM_AGENT=0`, pay the agent's interpreter and `import torch` (two at
-  once on 2 cores in barrier mode). Issue 16's goals are local <= 0.3x and barrier <= 0.6x of
-  bare torchrun on a warm session; the earlier ones were 1.15x and 1.5x.
-- **Logs**: the `*_0_lines` variants are the same job printing nothing; the difference is what
-  the lines themselves cost.
-- **Result**: local mode misses the 3x target because pyspark's local mode passes the value
-  through a file, so its transfer is not much slower than our channel. Our driver's peak is
-  about twice the value: the result is unpickled straight from the chunks it arrived in.
-- **Throughput**: whether ranks forked from the agent train slower than fresh interpreters
-  is a question of a few percent. The throughput benchmark pairs the variants round by round
-  and gives each ratio a bootstrap 95% confidence interval (a CI that excludes 1.00x is a
-  difference; its width is the resolution reached); the counters inside the ranks would show a
-  mechanism: minor faults per step (copy-on-write of the inherited heap), context switches and
-  thread counts (thread pools), gc collections. None differs against forked ranks: they take
-  fewer minor faults per step than fresh ones (the inherited pages are never copied in the
-  steady state), the same threads and affinity, no collection. The A/B below it goes further:
-  one step of each rank in turn, on one CPU. Its control, bare torchrun against itself, moves
-  as much between sessions as any of ours: a process's own memory layout sets its speed by
-  several percent on this VM, and that, not the fork, is what the intervals contain.
+Each benchmark is its own process: `common.main` runs it and writes
+`benchmarks/results/<name>.json` (every sample, the machine, the commit), then prints its
+section of this page. Each benchmark declares once (`BENCH`, a `pages.Benchmark`) what it
+measures, its options and its `--quick` run, and renders its section and its rows of the
+summary table in the top-level README from its JSON; `run_all.py` collects them. Nothing here
+is copied by hand. Run on a quiet machine: the figures are wall-clock times.
 
 ## Machine
 
@@ -238,12 +156,14 @@ Each section below ends with the date, commit and load average of its own run.
 """
 
 
-def _machine_block(docs: dict[str, dict[str, Any]]) -> str:
+def _machine_block(docs: dict[str, tuple[pages.Benchmark, dict[str, Any]]]) -> str:
     if not docs:
         return "No results yet: run the benchmarks."
     lines: list[str] = []
-    for doc in docs.values():
+    for _, doc in docs.values():
         m = doc.get("machine", {})
+        if not m.get("hostname"):  # a file that does not say which machine
+            continue
         gpus = ", ".join(m.get("gpus") or []) or "no GPU"
         line = (
             f"- `{m.get('hostname')}`: {m.get('cores')} cores ({m.get('cpu_model')}), "
@@ -256,17 +176,21 @@ def _machine_block(docs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def render_page(results_dir: Path = RESULTS_DIR, prefix: str = "") -> str:
+def render_markdown(docs: dict[str, tuple[pages.Benchmark, dict[str, Any]]]) -> str:
+    """One section per benchmark."""
+    return "\n\n".join(pages.section(bench, doc) for bench, doc in docs.values()) + "\n"
+
+
+def render_page(results_dir: Path = RESULTS_DIR) -> str:
     """The whole of ``benchmarks/README.md``."""
-    docs = load_results(results_dir, ORDER, prefix)
-    gpu_bench = _module("gpu.gpu_bench")
-    gpu_path = results_dir / gpu_bench.RESULT
-    gpu = json.loads(gpu_path.read_text()) if gpu_path.exists() and not prefix else None
-    intro = INTRO.format(generated=GENERATED, machine=_machine_block(docs))
+    docs = load_results(results_dir)
+    index = "\n".join(
+        f"| {bench.title} | `{script(module).relative_to(BENCH_DIR)}` | {about(module)} |"
+        for module, bench in benchmarks().items()
+    )
+    intro = INTRO.format(generated=GENERATED, index=index, machine=_machine_block(docs))
     summary = "## Summary\n\n" + render_summary(docs) if docs else ""
-    body = render_markdown(results_dir, ORDER, prefix).rstrip("\n")
-    parts = [intro.rstrip("\n"), summary, body, f"## {gpu_bench.TITLE}\n\n" + gpu_bench.render(gpu)]
-    return "\n\n".join(p for p in parts if p) + "\n"
+    return "\n\n".join(p for p in (intro.rstrip("\n"), summary, render_markdown(docs)) if p)
 
 
 def replace_summary(readme: str, summary: str) -> str:
@@ -291,9 +215,8 @@ def write_pages(
     """
     wanted = {page: render_page(results_dir)}
     if readme.exists():
-        docs = load_results(results_dir)
-        summary = render_summary({n: d for n, d in docs.items() if n in README_HEADLINES})
-        wanted[readme] = replace_summary(readme.read_text(), summary)
+        docs = {m: d for m, d in load_results(results_dir).items() if d[0].headline}
+        wanted[readme] = replace_summary(readme.read_text(), render_summary(docs))
     changed = []
     for path, text in wanted.items():
         if not path.exists() or path.read_text() != text:
@@ -307,48 +230,42 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--memory-runs", type=int, default=20)
-    parser.add_argument("--only", default=",".join(ORDER), help="comma-separated benchmark names")
+    parser.add_argument("--repeats", type=int, help="for every benchmark (default: each one's)")
+    parser.add_argument("--only", default=",".join(ORDER), help="comma-separated benchmark modules")
+    parser.add_argument("--quick", action="store_true", help="each benchmark's smallest run")
     parser.add_argument(
         "--markdown", action="store_true", help="run nothing; only render the existing results"
     )
     parser.add_argument(
         "--check", action="store_true", help="with --markdown: write nothing, exit 1 if stale"
     )
-    parser.add_argument(
-        "--prefix",
-        default="",
-        help="with --markdown: print <prefix><name>.json as markdown instead of writing pages",
-    )
     args = parser.parse_args(argv)
     selected = tuple(n.strip() for n in args.only.split(",") if n.strip())
     unknown = set(selected) - set(ORDER)
     if unknown:
         parser.error(f"unknown benchmarks: {', '.join(sorted(unknown))}")
-    if (args.check or args.prefix) and not args.markdown:
-        parser.error("--check and --prefix go with --markdown")
-    if args.prefix:  # smoke results: print them, never overwrite the pages
-        print(render_markdown(names=selected, prefix=args.prefix))
-        return 0
+    if args.check and not args.markdown:
+        parser.error("--check goes with --markdown")
     failed = []
     if not args.markdown:
-        for name, argv_ in commands(args.repeats, args.memory_runs).items():
-            if name not in selected:
-                continue
-            print(f"\n===== {name}: {' '.join(argv_[1:])}", flush=True)
-            if subprocess.run(argv_, check=False).returncode != 0:
-                failed.append(name)
+        for module in selected:
+            command = [sys.executable, str(script(module))]
+            command += ["--quick"] if args.quick else []
+            command += [f"--repeats={args.repeats}"] if args.repeats else []
+            print(f"\n===== {module}: {' '.join(command[1:])}", flush=True)
+            if subprocess.run(command, check=False).returncode != 0:
+                failed.append(module)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    if args.quick:  # quick figures go to quick_*.json, never to the pages
+        return 1 if failed else 0
     changed = write_pages(check=args.check)
     for path in changed:
         verb = "out of date" if args.check else "written"
         print(f"{path.relative_to(BENCH_DIR.parent)}: {verb}")
     if not changed:
         print("benchmarks/README.md and the README summary are up to date")
-    if failed:
-        print(f"failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 1 if args.check and changed else 0
+    return 1 if failed or (args.check and changed) else 0
 
 
 if __name__ == "__main__":

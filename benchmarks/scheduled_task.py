@@ -32,7 +32,6 @@ from typing import Any
 
 import common
 import pages
-from common import Series, log, print_table
 
 if __name__ == "__main__":
     common.prepare_environment()
@@ -43,18 +42,17 @@ from harness.connect_server import ConnectServer
 
 NAME = "scheduled_task"
 TITLE = "A whole scheduled task, from its process's start"
-VARIANTS = ("airflow_embedded", "airflow_connect", "prefect_embedded")
 EVENTS_ENV = "SPARKTORCH_BENCH_EVENTS"
 
-# The training of both: a trivial 2-rank all-reduce that notes when rank 0 returned.
-ALLREDUCE = """
+# The training of both: the trivial 2-rank all-reduce, noting when rank 0 returned.
+ALLREDUCE = f"""
+import sys, time
+sys.path.insert(0, {str(common.BENCH_DIR)!r})
+import jobs
+
+
 def allreduce():
-    import torch, torch.distributed as dist
-    dist.init_process_group("gloo")
-    value = torch.tensor([float(dist.get_rank() + 1)])
-    dist.all_reduce(value)
-    dist.destroy_process_group()
-    return {"sum": value.item(), "returned_at": time.time()}
+    return {{"sum": jobs.allreduce(), "returned_at": time.time()}}
 """
 
 # The DAG: one task, its events written (wall clock) to $SPARKTORCH_BENCH_EVENTS.
@@ -162,11 +160,7 @@ def prefect_run(script: Path, home: Path) -> dict[str, float]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
-    machine = common.machine_info()
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-scheduled-"))
     home = work / "airflow"
     (home / "dags").mkdir(parents=True)
@@ -179,26 +173,17 @@ def main(argv: list[str] | None = None) -> int:
         server.wait_listening(240)
         port = server.url.rsplit(":", 1)[1]
         conn = json.dumps({"conn_type": "spark_connect", "host": "127.0.0.1", "port": int(port)})
-        runs = {
-            "airflow_embedded": lambda: airflow_run(home, work / "events.jsonl", None),
-            "airflow_connect": lambda: airflow_run(home, work / "events.jsonl", conn),
-            "prefect_embedded": lambda: prefect_run(flow_script, work / "prefect"),
-        }
-        series = {name: Series(name) for name in VARIANTS}
-        for round_index in range(-1, args.repeats):  # a warm-up round: the server's first run
-            shift = round_index % len(VARIANTS)
-            for name in VARIANTS[shift:] + VARIANTS[:shift]:
-                try:
-                    phases = runs[name]()
-                except Exception as exc:
-                    log(f"round {round_index + 1} {name}: FAILED {type(exc).__name__}: {exc}")
-                    if round_index >= 0:
-                        series[name].errors.append(f"{type(exc).__name__}: {str(exc)[:2000]}")
-                    continue
-                log(f"round {round_index + 1} {name}: {phases}")
-                if round_index >= 0:
-                    series[name].seconds.append(phases["result"])
-                    series[name].extra.append(phases)
+        series = common.alternate(  # the warm-up round is the server's first run
+            {
+                "airflow_embedded": lambda: airflow_run(home, work / "events.jsonl", None),
+                "airflow_connect": lambda: airflow_run(home, work / "events.jsonl", conn),
+                "prefect_embedded": lambda: prefect_run(flow_script, work / "prefect"),
+            },
+            args.repeats,
+            warmup=args.warmup,
+            check=lambda _name, phases: {"seconds": phases["result"], **phases},
+            settle_s=args.settle,
+        )
     finally:
         server.stop()
     variants = {}
@@ -207,16 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         for phase in ("session_ready", "result", "process_gone"):
             summary[f"{phase}_median_s"] = common.median([p[phase] for p in s.extra])
         variants[name] = summary
-    print_table(
-        f"a scheduled task from its process's start (median of {args.repeats})",
-        ["variant", "session ready s", "rank 0's result s", "process gone s"],
-        [
-            [n, v["session_ready_median_s"], v["result_median_s"], v["process_gone_median_s"]]
-            for n, v in variants.items()
-        ],
-    )
-    common.write_results(NAME, {"repeats": args.repeats, "variants": variants}, machine)
-    return 0
+    return {"repeats": args.repeats, "variants": variants}
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -277,5 +253,15 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+BENCH = pages.Benchmark(
+    name=NAME,
+    title=TITLE,
+    measure=measure,
+    render=render,
+    summary=summary_rows,
+    defaults={"repeats": 3},
+    headline=True,
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -50,7 +49,7 @@ from typing import Any
 
 import common
 import pages
-from common import Series, log, median, print_table, ratio
+from common import Series, log, median, ratio
 
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
@@ -73,7 +72,6 @@ NAME = "served_flow"
 ROOT = common.ROOT
 FLOW_SCRIPT = ROOT / "flows" / "retrain_digits.py"
 SLEEPY_SCRIPT = ROOT / "tests" / "prefect" / "served_flow.py"
-DEFAULT_JSON = common.RESULTS_DIR / f"{NAME}.json"
 VARIANTS = ("once_ephemeral", "once_server", "served", "cancel_local", "cancel_barrier")
 #: A schedule that does not fire during the benchmark: only the runs created here run.
 NEVER_NOW = "0 3 1 1 *"
@@ -236,70 +234,18 @@ class Bench:
         }
 
 
-def run_rounds(
-    bench: Bench, client: Any, variants: Sequence[str], repeats: int, warmup: int
-) -> dict[str, Series]:
-    """Every variant once per round, the order rotated each round; warm-up rounds discarded."""
-    calls: dict[str, Callable[[], tuple[float, dict[str, Any]]]] = {
-        "once_ephemeral": lambda: bench.once(via_server=False),
-        "once_server": lambda: bench.once(via_server=True),
-        "served": lambda: bench.served(client),
-        "cancel_local": lambda: bench.cancel(client, local_mode=True),
-        "cancel_barrier": lambda: bench.cancel(client, local_mode=False),
-    }
-    series = {name: Series(name) for name in variants}
-    for round_index in range(-warmup, repeats):
-        shift = round_index % len(variants)
-        order = list(variants[shift:]) + list(variants[:shift])
-        for name in order:
-            label = "warm-up" if round_index < 0 else f"round {round_index + 1}/{repeats}"
-            time.sleep(bench.args.settle)
-            try:
-                seconds, extra = calls[name]()
-            except Exception as exc:
-                log(f"{label} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
-                if round_index >= 0:
-                    series[name].errors.append(f"{type(exc).__name__}: {str(exc)[:2000]}")
-                continue
-            log(f"{label} {name}: {seconds:.2f} s {extra}")
-            if round_index >= 0:
-                series[name].seconds.append(seconds)
-                series[name].extra.append(extra)
-    return series
-
-
 def _extra_median(s: Series, key: str) -> float | None:
     return median([e[key] for e in s.extra if e.get(key) is not None])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--warmup", type=int, default=0, help="discarded rounds first")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
-    parser.add_argument(
-        "--poll",
-        type=float,
-        default=None,
-        help="the runners' PREFECT_RUNNER_POLL_FREQUENCY, s (default: Prefect's own)",
-    )
-    parser.add_argument("--timeout", type=float, default=900, help="per run, seconds")
-    parser.add_argument("--settle", type=float, default=2.0)
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
-    parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
-    args = parser.parse_args(argv)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(variants) - set(VARIANTS)
-    if unknown:
-        parser.error(f"unknown variants: {sorted(unknown)}")
-
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    machine = common.machine_info()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variants: {sorted(unknown)}")
     workdir = Path(tempfile.mkdtemp(prefix="served-flow-bench-"))
     try:
         log(f"starting a Prefect server (scratch: {workdir})")
@@ -337,7 +283,20 @@ def main(argv: list[str] | None = None) -> int:
                     temporary_settings({PREFECT_API_URL: server.url}),
                     get_client(sync_client=True) as client,
                 ):
-                    series = run_rounds(bench, client, variants, args.repeats, args.warmup)
+                    calls: dict[str, Callable[[], tuple[float, dict[str, Any]]]] = {
+                        "once_ephemeral": lambda: bench.once(via_server=False),
+                        "once_server": lambda: bench.once(via_server=True),
+                        "served": lambda: bench.served(client),
+                        "cancel_local": lambda: bench.cancel(client, local_mode=True),
+                        "cancel_barrier": lambda: bench.cancel(client, local_mode=False),
+                    }
+                    series = common.alternate(
+                        {name: calls[name] for name in variants},
+                        args.repeats,
+                        warmup=args.warmup,
+                        check=lambda _name, value: {"seconds": value[0], **value[1]},
+                        settle_s=args.settle,
+                    )
     finally:
         if args.keep:
             log(f"kept {workdir}")
@@ -356,60 +315,19 @@ def main(argv: list[str] | None = None) -> int:
                 summary[f"{key.removesuffix('_s')}_median_s"] = value
         results[name] = summary
 
-    def med(name: str, key: str = "median_s") -> float | None:
-        return results.get(name, {}).get(key)
+    def med(name: str) -> float | None:
+        return results.get(name, {}).get("median_s")
 
-    summary = {
-        "served_over_once_ephemeral": ratio(med("served"), med("once_ephemeral")),
-        "served_over_once_server": ratio(med("served"), med("once_server")),
-    }
-    rows: list[list[Any]] = []
-    labels = {
-        "once_ephemeral": "command, whole",
-        "once_server": "command, whole",
-        "served": "request -> Completed",
-        "cancel_local": "cancel -> last rank gone",
-        "cancel_barrier": "cancel -> last rank gone",
-    }
-    for name in variants:
-        r = results[name]
-        runs = f"{r['runs']} ok" + (f", {len(r['errors'])} failed" if r["errors"] else "")
-        if name == "served":
-            detail = f"pickup {common.fmt(r.get('pickup_median_s'))}, run {common.fmt(r.get('run_median_s'))}"
-        elif name.startswith("cancel_"):
-            detail = (
-                f"all gone {common.fmt(r.get('all_gone_median_s'))}, "
-                f"Cancelled {common.fmt(r.get('cancelled_median_s'))}"
-            )
-        else:
-            detail = ""
-        rows.append([name, labels[name], r["median_s"], r["min_s"], r["max_s"], detail, runs])
-    print_table(
-        f"Served flow: retrain_digits ({args.epochs} epoch(s)), medians of {args.repeats} (s)",
-        ["variant", "measured", "median", "min", "max", "detail (medians, s)", "runs"],
-        rows,
-    )
-    if summary["served_over_once_ephemeral"] or summary["served_over_once_server"]:
-        print(
-            f"served / once (ratio of medians): {common.fmt(summary['served_over_once_ephemeral'])}x "
-            f"of the command on Prefect's ephemeral server, "
-            f"{common.fmt(summary['served_over_once_server'])}x of it against the server"
-        )
-    for name, s in series.items():
-        for error in s.errors[:1]:
-            print(f"{name} failed: {error[:400]}")
-
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    document = {
-        "benchmark": NAME,
-        "machine": machine,
-        "argv": sys.argv[1:],
+    return {
         "epochs": args.epochs,
         "repeats": args.repeats,
         "warmup": args.warmup,
         "poll_frequency_s": args.poll,
         "variants": results,
-        "summary": summary,
+        "summary": {
+            "served_over_once_ephemeral": ratio(med("served"), med("once_ephemeral")),
+            "served_over_once_server": ratio(med("served"), med("once_server")),
+        },
         "notes": (
             "once_*: the whole `retrain_digits.py --once` command (interpreter, imports, the "
             "ephemeral server for once_ephemeral); served: from create_flow_run_from_deployment "
@@ -419,9 +337,6 @@ def main(argv: list[str] | None = None) -> int:
             "process the flow run started; Cancelled: the API's final state)."
         ),
     }
-    args.json.write_text(json.dumps(document, indent=2, default=str) + "\n")
-    print(f"\nwrote {args.json}")
-    return 0 if all(not s.errors for s in series.values()) else 1
 
 
 # -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
@@ -442,9 +357,7 @@ def render(doc: dict[str, Any]) -> str:
     ]
     out = [
         f"`flows/retrain_digits.py` ({doc.get('epochs')} epoch), median of {doc.get('repeats')}.",
-        pages.table(
-            ["variant", "measured", "seconds", "min-max s", "runs"], pages.variant_rows(doc, labels)
-        ),
+        pages.measured(labels, doc["variants"]),
         pages.table(["ratio of medians", "x"], ratios),
     ]
     return "\n\n".join(out) + pages.notes(doc.get("notes"))
@@ -465,5 +378,28 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
+    parser.add_argument(
+        "--poll",
+        type=float,
+        default=None,
+        help="the runners' PREFECT_RUNNER_POLL_FREQUENCY, s (default: Prefect's own)",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
+
+
+BENCH = pages.Benchmark(
+    name=NAME,
+    title=TITLE,
+    measure=measure,
+    render=render,
+    summary=summary_rows,
+    options=options,
+    defaults={"repeats": 1, "warmup": 0, "timeout": 900, "settle": 2.0},
+    quick=("--repeats=1", "--warmup=0", "--epochs=1"),
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))

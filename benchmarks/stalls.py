@@ -15,7 +15,9 @@ first), then ``cancel()`` until ``run`` raises (capture and teardown together).
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -23,7 +25,7 @@ from typing import Any
 
 import common
 import pages
-from common import log, print_table
+from common import log
 
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
@@ -58,16 +60,8 @@ def _silent_since(error: Any) -> float:
 
 
 def _distributor(mode: str, session: Any, **options: Any) -> Any:
-    from sparktorch_ops import TorchDistributor
-
-    return TorchDistributor(
-        num_processes=2,
-        local_mode=mode == "local",
-        use_gpu=False,
-        spark=session if mode == "barrier" else None,
-        logger=common.quiet_logger(),
-        **options,
-    )
+    spark = session if mode == "barrier" else None
+    return common.ours(local_mode=mode == "local", spark=spark, **options)
 
 
 def stall_once(mode: str, session: Any, stall_timeout: float, workdir: Path) -> float:
@@ -111,57 +105,35 @@ def cancel_once(session: Any, workdir: Path) -> tuple[float, float]:
     return capture_s, cancel_s
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--stall-timeout", type=float, default=15.0)
-    parser.add_argument("--workdir", default="/tmp/sparktorch-bench-stalls")
-    args = parser.parse_args(argv)
-    machine = common.machine_info()
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     log("starting a local[2] SparkSession")
     session = common.start_spark("local[2]")
-    series: dict[str, common.Series] = {
-        name: common.Series(name) for name in ("stall_local", "stall_barrier", "capture", "cancel")
-    }
-    root = Path(args.workdir)
-    for round_number in range(args.repeats):
-        for mode in ("local", "barrier"):
-            workdir = root / f"{mode}-{round_number}"
-            workdir.mkdir(parents=True, exist_ok=True)
-            try:
-                series[f"stall_{mode}"].seconds.append(
-                    stall_once(mode, session, args.stall_timeout, workdir)
-                )
-            except Exception as exc:  # recorded, not fatal: the table shows it
-                series[f"stall_{mode}"].errors.append(f"{type(exc).__name__}: {exc}"[:300])
-        workdir = root / f"cancel-{round_number}"
-        workdir.mkdir(parents=True, exist_ok=True)
-        try:
-            capture_s, cancel_s = cancel_once(session, workdir)
-            series["capture"].seconds.append(capture_s)
-            series["cancel"].seconds.append(cancel_s)
-        except Exception as exc:
-            series["cancel"].errors.append(f"{type(exc).__name__}: {exc}"[:300])
-        log(f"round {round_number + 1} of {args.repeats} done")
-    variants = {name: s.summary() for name, s in series.items()}
-    print_table(
-        f"stall_timeout={args.stall_timeout:g}: the silence to the error; a cancel's capture",
-        ["variant", "median s", "min s", "max s", "runs"],
-        [[n, v["median_s"], v["min_s"], v["max_s"], v["runs"]] for n, v in variants.items()],
-    )
-    common.write_results(
-        NAME,
-        {"repeats": args.repeats, "stall_timeout": args.stall_timeout, "variants": variants},
-        machine,
+    root = Path(tempfile.mkdtemp(prefix="sparktorch-bench-stalls-"))
+
+    def fresh() -> Path:
+        return Path(tempfile.mkdtemp(dir=root))
+
+    series = common.alternate(
+        {
+            "stall_local": lambda: stall_once("local", session, args.stall_timeout, fresh()),
+            "stall_barrier": lambda: stall_once("barrier", session, args.stall_timeout, fresh()),
+            "cancel": lambda: cancel_once(session, fresh()),
+        },
+        args.repeats,
+        warmup=args.warmup,
+        check=lambda name, value: (
+            {"seconds": value}
+            if name != "cancel"
+            else dict(zip(("capture_s", "seconds"), value, strict=True))
+        ),
+        settle_s=args.settle,
     )
     session.stop()
-    return 0 if all(v["runs"] for v in variants.values()) else 1
+    shutil.rmtree(root, ignore_errors=True)
+    series["capture"] = common.Series("capture", [e["capture_s"] for e in series["cancel"].extra])
+    variants = {name: series[name].summary() for name in LABELS}
+    return {"repeats": args.repeats, "stall_timeout": args.stall_timeout, "variants": variants}
 
-
-# -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
-TITLE = "A hung training"
 
 LABELS = {
     "stall_local": "stall to error, local mode",
@@ -171,25 +143,22 @@ LABELS = {
 }
 
 
-def _beyond(s: dict[str, Any], limit: float | None) -> str:
-    median = s.get("median_s")
-    if median is None or limit is None:
-        return "-"
-    return f"+{median - limit:.2f}"
-
-
 def render(doc: dict[str, Any]) -> str:
     """This benchmark's section of benchmarks/README.md, from its JSON."""
-    variants, limit = doc["variants"], doc.get("stall_timeout")
-    rows = [
-        [
-            LABELS.get(name, name),
-            pages.num(s.get("median_s")),
-            pages.spread(s),
-            _beyond(s, limit) if name.startswith("stall_") else "-",
-            str(s.get("runs", "-")),
-        ]
-        for name, s in variants.items()
+    limit = doc.get("stall_timeout")
+
+    def beyond(name: str, s: dict[str, Any]) -> str:
+        median = s.get("median_s")
+        if not name.startswith("stall_") or median is None or limit is None:
+            return "-"
+        return f"+{median - limit:.2f}"
+
+    cols: list[pages.Column] = [
+        ("what", lambda n, _s: LABELS.get(n, n)),
+        ("median s", pages.field_("median_s")),
+        ("min-max s", pages.min_max),
+        ("beyond stall_timeout s", beyond),
+        ("runs", lambda _n, s: str(s.get("runs", "-"))),
     ]
     return (
         f"Two ranks: rank 1 sleeps in its data loading, rank 0 waits for it in an all-reduce. "
@@ -197,8 +166,8 @@ def render(doc: dict[str, Any]) -> str:
         f"output to `TrainingStalledError` (every rank's stacks taken, the ranks torn down); a "
         f"cancel of the same run, and the stack capture it makes first, timed alone. Medians of "
         f"{doc.get('repeats')} rounds.\n\n"
-        + pages.table(["what", "median s", "min-max s", "beyond stall_timeout s", "runs"], rows)
-        + "".join(pages.errors(s) for s in variants.values())
+        + pages.columns(cols, doc["variants"])
+        + "".join(pages.errors(s) for s in doc["variants"].values())
     )
 
 
@@ -217,5 +186,16 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+BENCH = pages.Benchmark(
+    name=NAME,
+    title="A hung training",
+    measure=measure,
+    render=render,
+    summary=summary_rows,
+    options=lambda parser: parser.add_argument("--stall-timeout", type=float, default=15.0),
+    defaults={"repeats": 3, "warmup": 0},
+    quick=("--repeats=1", "--warmup=0", "--stall-timeout=5"),
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))

@@ -20,7 +20,7 @@ from typing import Any
 
 import common
 import pages
-from common import log, print_table, ratio
+from common import log, ratio
 
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
@@ -63,11 +63,7 @@ def one_run(work: Path, parallelism: int, epochs: int) -> dict[str, Any]:
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=1)
-    args = parser.parse_args()
-    machine = common.machine_info()
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-sweep-"))
     runs = {}
     for parallelism in PARALLELISMS:
@@ -75,17 +71,7 @@ def main() -> int:
         runs[str(parallelism)] = one_run(work, parallelism, args.epochs)
         log(f"parallelism {parallelism}: {runs[str(parallelism)]}")
     together = ratio(runs["3"]["wall_s"], runs["1"]["wall_s"])
-    print_table(
-        "the sweep DAG under the scheduler",
-        ["parallelism", "state", "wall s", "trainings overlap"],
-        [[p, r["state"], r["wall_s"], r["trainings_overlap"]] for p, r in runs.items()],
-    )
-    common.write_results(
-        NAME,
-        {"epochs": args.epochs, "runs": runs, "parallelism_3_over_1": together},
-        machine,
-    )
-    return 0 if all(r["state"] == "success" for r in runs.values()) else 1
+    return {"epochs": args.epochs, "runs": runs, "parallelism_3_over_1": together}
 
 
 # -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
@@ -127,5 +113,15 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+BENCH = pages.Benchmark(
+    name=NAME,
+    title=TITLE,
+    measure=measure,
+    render=render,
+    summary=summary_rows,
+    options=lambda parser: parser.add_argument("--epochs", type=int, default=1),
+    quick=("--epochs=1",),
+)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))

@@ -1,42 +1,35 @@
 """Training throughput: a small CNN, DDP on 2 ranks, fixed steps; ours vs bare torchrun.
 
-The question (issue 16): do ranks forked from our torchrun agent (the default: the agent has
-imported torch, the rank supervisors and the ranks are forked from it) train slower than the
-fresh interpreters bare ``torchrun`` starts? The difference looked like a few percent, below
-the noise of a 2-core machine, so this benchmark is built to resolve it:
+Do ranks forked from our torchrun agent (the default: the agent has imported torch, the rank
+supervisors and the ranks are forked from it) train slower than the fresh interpreters bare
+``torchrun`` starts? The difference is a few percent at most, below the noise of a 2-core
+machine, so the variants are paired:
 
 - the same code (``jobs.train_cnn``) runs under every variant: bare ``torchrun`` (the
   baseline), ours in local mode as the default (script payload and function payload), ours
   with ``torchrun_args=["--start-method=spawn"]`` (each rank supervisor a fresh interpreter,
-  the rank forked from it, so nothing is inherited from the agent) and ours with
-  the warm agent off (``SPARKTORCH_OPS_WARM_AGENT=0`` in this process for that variant's run
-  only; sparktorch_ops reads it at each run);
+  the rank forked from it, so nothing is inherited from the agent) and ours with the warm
+  agent off (``SPARKTORCH_OPS_WARM_AGENT=0`` in this process for that variant's run only;
+  sparktorch_ops reads it at each run);
 - paired rounds: every round runs each variant once, in an order rotated every round, after
   discarded warm-up rounds, so drift of a shared machine hits all of them alike; each round
   gives a paired ratio (variant's samples/s / torchrun's in the same round), and the figure is
   the geometric mean of those ratios with a bootstrap 95% confidence interval (resampling
   rounds). A CI that excludes 1.00 is a difference; its half-width is the resolution reached;
-- inside every rank: the wall time and the ``getrusage`` deltas (minor/major faults,
-  voluntary/involuntary context switches, user/system CPU) of every steady-state step, the
-  gc's collections and time, torch's thread counts, the CPU affinity, RSS and how much of it
-  is still shared dirty (copy-on-write pending) -- ranks 0 and 1 write them to a file in a
-  temporary directory passed by argv (script) or argument (function). Copy-on-write faults on
-  an inherited heap would show as minor faults per step; thread-pool state as thread counts
-  and involuntary context switches;
-- what else ran: the machine's busy CPU during rank 0's steady state less both ranks' own
-  (``/proc/stat``; "other cores", hypervisor steal apart), and the CPU the driver and its
-  long-lived descendants (a warm agent's fork server) used during each run, so a run disturbed
-  by anything shows as such.
+- the CPU the driver and its long-lived descendants (a warm agent's fork server) used during
+  each run, so a run disturbed by our own processes shows as such.
 
+What the ranks do inside (faults, context switches, threads, memory shared with the agent)
+was measured once and is in docs/internals.md ("Ranks are forked, not spawned").
 ``SPARKTORCH_OPS_WARM_AGENT``, if set when this starts, is removed for the default variants.
 
-Rank 0's steady state (``--steps`` steps after ``--warmup`` untimed ones, between two barriers)
-gives samples/s over all ranks. Both launchers get the same ``OMP_NUM_THREADS``
+Rank 0's steady state (``--steps`` steps after ``--warmup-steps`` untimed ones, between two
+barriers) gives samples/s over all ranks. Both launchers get the same ``OMP_NUM_THREADS``
 (``--omp-threads``, default: cores / 2, what ours would choose): torchrun's own default is 1
 per rank whatever the machine.
 
     python benchmarks/throughput.py                      # the full run (20-25 min, 2 cores)
-    python benchmarks/throughput.py --repeats 1 --steps 20 --warmup-rounds 0 --name smoke_throughput
+    python benchmarks/throughput.py --quick
 """
 
 from __future__ import annotations
@@ -48,20 +41,16 @@ import json
 import math
 import os
 import random
-import re
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import common
 import pages
 import psutil
-from common import JOBS_SCRIPT, WARM_AGENT_ENV, log, median, print_table, ratio
+from common import JOBS_SCRIPT, WARM_AGENT_ENV, log, median, ratio
 
 if __name__ == "__main__":  # not in a Spark worker that imports this module for a function
     common.prepare_environment()
@@ -85,22 +74,9 @@ VARIANTS = {
 }
 BOOTSTRAP_RESAMPLES = 10_000
 CONFIDENCE = 0.95
-# Per-step counters kept per variant (means per step over every run and both reporting ranks).
-COUNTERS = ("minflt", "majflt", "nvcsw", "nivcsw", "utime_s", "stime_s")
 
 
 # -- statistics ------------------------------------------------------------------------------
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100), linear between order statistics; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
 def geomean_ci(
     ratios: Sequence[float],
     resamples: int = BOOTSTRAP_RESAMPLES,
@@ -185,25 +161,22 @@ def helper_cpu(pids: Any = None) -> dict[int, float]:
 
 
 class Runner:
-    """Builds each variant's run-once callable; every run gets a fresh stats directory.
+    """Builds each variant's run-once callable.
 
     ``common.alternate`` calls every variant once per round, so a variant's n-th call is round
-    ``n - warmup_rounds`` (negative: a warm-up round).
+    ``n - warmup`` (negative: a warm-up round).
     """
 
     def __init__(self, args: argparse.Namespace, omp: str | None, names: list[str]) -> None:
         self.args = args
         self.env = {"OMP_NUM_THREADS": omp} if omp else {}
-        self.names = names
         self.calls = dict.fromkeys(names, 0)
-        self.round_started: dict[int, float] = {}
         self.logger = common.quiet_logger()
 
-    def script_args(self, stats_dir: str) -> list[str]:
+    def script_args(self) -> list[str]:
         a = self.args
         argv = ["cnn", f"--steps={a.steps}", f"--batch-size={a.batch_size}"]
-        argv += [f"--warmup={a.warmup}", f"--stats-dir={stats_dir}"]
-        return argv + (["--gpu"] if a.gpu else [])
+        return argv + [f"--warmup={a.warmup_steps}"] + (["--gpu"] if a.gpu else [])
 
     def ours(self, *torchrun_args: str) -> Any:
         from sparktorch_ops import TorchDistributor
@@ -218,299 +191,76 @@ class Runner:
             torchrun_args=torchrun_args,
         )
 
-    def launch(self, name: str, stats_dir: str) -> dict[str, Any]:
+    def launch(self, name: str) -> dict[str, Any]:
         a = self.args
         script = str(JOBS_SCRIPT)
         if name == "torchrun":
             proc = common.run_torchrun(
-                JOBS_SCRIPT, self.script_args(stats_dir), env=self.env, timeout=a.timeout
+                JOBS_SCRIPT, self.script_args(), env=self.env, timeout=a.timeout
             )
             return parse_figures(proc.stdout)
-        if name == "ours_local_script":
-            return parse_figures(self.ours().run(script, *self.script_args(stats_dir)))
         if name == "ours_local_fn":
-            fn = functools.partial(
-                jobs.train_cnn, a.steps, a.batch_size, a.warmup, a.gpu, 0, stats_dir
-            )
+            fn = functools.partial(jobs.train_cnn, a.steps, a.batch_size, a.warmup_steps, a.gpu)
             return dict(self.ours().run(fn))
         if name == "ours_local_script_spawn":
-            job = self.ours("--start-method=spawn")
-            return parse_figures(job.run(script, *self.script_args(stats_dir)))
+            return parse_figures(self.ours("--start-method=spawn").run(script, *self.script_args()))
         if name == "ours_local_script_cold":
             with common.env_var(WARM_AGENT_ENV, "0"):
-                return parse_figures(self.ours().run(script, *self.script_args(stats_dir)))
-        raise ValueError(f"unknown variant {name!r}")
+                return parse_figures(self.ours().run(script, *self.script_args()))
+        return parse_figures(self.ours().run(script, *self.script_args()))
 
     def build(self, name: str) -> Callable[[], dict[str, Any]]:
         def run() -> dict[str, Any]:
-            call = self.calls[name]
+            round_index = self.calls[name] - self.args.warmup
             self.calls[name] += 1
-            round_index = call - self.args.warmup_rounds
-            if round_index not in self.round_started:
-                self.round_started[round_index] = time.time()
-                self.log_round(round_index - 1)
-            stats_dir = tempfile.mkdtemp(prefix="sparktorch-thr-")
             started = time.time()
             load1 = os.getloadavg()[0]
             helpers = helper_cpu()
-            try:
-                figures = self.launch(name, stats_dir)
-                helpers_cpu = sum(
-                    max(0.0, seconds - helpers[pid]) for pid, seconds in helper_cpu(helpers).items()
-                )
-                ranks = {
-                    int(path.stem.removeprefix("rank")): json.loads(path.read_text())
-                    for path in sorted(Path(stats_dir).glob("rank*.json"))
-                }
-            finally:
-                shutil.rmtree(stats_dir, ignore_errors=True)
+            figures = self.launch(name)
             return {
                 "round": round_index,
                 "started": started,
                 "load1": load1,
-                "helpers_cpu_s": helpers_cpu,
+                "helpers_cpu_s": sum(
+                    max(0.0, seconds - helpers[pid]) for pid, seconds in helper_cpu(helpers).items()
+                ),
                 "figures": figures,
-                "ranks": ranks,
             }
 
         return run
 
-    def log_round(self, round_index: int) -> None:
-        """When the next round starts: how long this one took, and about how long is left."""
-        if round_index not in self.round_started:
-            return
-        took = time.time() - self.round_started[round_index]
-        left = self.args.repeats - 1 - round_index
-        label = "warm-up round" if round_index < 0 else f"round {round_index + 1}"
-        log(f"{label} took {took:.1f} s; about {left * took / 60:.1f} min left")
-
 
 def check(name: str, value: Any) -> dict[str, Any]:
-    """A run's figures must come from 2 ranks, and both reporting ranks must have written."""
+    """A run's figures must come from 2 ranks."""
     figures = value.get("figures") if isinstance(value, dict) else None
     if not isinstance(figures, dict) or figures.get("world_size") != 2:
         raise AssertionError(f"{name}: unexpected figures {figures!r}")
-    if sorted(value["ranks"]) != [0, 1]:
-        raise AssertionError(f"{name}: rank stats from ranks {sorted(value['ranks'])}, want 0, 1")
     return dict(value)
 
 
 # -- summaries -------------------------------------------------------------------------------
-def _mib(kib: Any) -> float | None:
-    return kib / 1024 if isinstance(kib, (int, float)) else None
-
-
-def _label(entry: dict[str, Any]) -> str:
-    """A process of a rank's ancestry: its name, or for a plain interpreter what it runs."""
-    name = re.sub(r"-\d+$", "-N", entry["name"])
-    if not name.startswith("python"):
-        return name
-    argv = entry.get("cmdline", "").split()
-    if "-m" in argv[:-1]:
-        return argv[argv.index("-m") + 1]
-    scripts = [a for a in argv[1:] if not a.startswith("-")]
-    return Path(scripts[0]).name if scripts else name
-
-
-def ancestry(chain: list[dict[str, Any]], driver: int) -> tuple[str, int | None]:
-    """The processes from the rank up to this driver, and how many levels apart they are.
-
-    Bare torchrun: rank < torchrun agent (2 levels); ours cold: rank < supervisor < agent
-    (3); ours from a warm agent: one more, the fork server the agent was forked from.
-    """
-    pids = [e["pid"] for e in chain]
-    depth = pids.index(driver) if driver in pids else None
-    shown = chain[:depth] if depth is not None else chain
-    return " < ".join([*map(_label, shown), "driver" if depth is not None else "?"]), depth
-
-
-def rank_summary(record: dict[str, Any], driver: int | None = None) -> dict[str, Any]:
-    """One rank's figures of one run: step time percentiles, counters per step, state."""
-    steps = record["step_s"]
-    n = max(1, len(steps))
-    per_step = record["per_step"]
-    ru = record["rusage"]
-    fields = record["rusage_fields"]
-    before = {
-        f: ru["steady_start"][i] - ru["fn_start"][i]
-        for i, f in enumerate(fields)
-        if f in ("minflt", "majflt")
-    }
-    memory_before = record.get("memory_kib_before") or {}
-    memory_after = record.get("memory_kib_after") or {}
-    lineage, depth = ancestry(record.get("chain", []), driver or os.getpid())
-    return {
-        "step_median_ms": 1000 * (median(steps) or 0.0),
-        "step_mean_ms": 1000 * statistics.fmean(steps) if steps else None,
-        "step_p90_ms": 1000 * (percentile(steps, 90) or 0.0),
-        "step_p99_ms": 1000 * (percentile(steps, 99) or 0.0),
-        "step_max_ms": 1000 * max(steps) if steps else None,
-        "steps": len(steps),
-        **{f"{c}_per_step": sum(per_step[c]) / n for c in COUNTERS},
-        "minflt_before_steady": before.get("minflt"),
-        "majflt_before_steady": before.get("majflt"),
-        "gc_collections": record["gc_collections"],
-        "gc_stats_collections": record.get("gc_stats_collections"),
-        "gc_ms": 1000 * record["gc_s"],
-        "gc_count_before": record.get("gc_count_before"),
-        "gc_frozen": record.get("gc_frozen"),
-        "warmup_step_ms": [round(1000 * s, 2) for s in record.get("warmup_step_s", [])],
-        "torch_threads": record.get("torch_threads"),
-        "torch_interop_threads": record.get("torch_interop_threads"),
-        "affinity": record.get("affinity"),
-        "os_threads": memory_before.get("Threads"),
-        "rss_mib": _mib(memory_after.get("VmRSS")),
-        "rss_anon_mib": _mib(memory_after.get("RssAnon")),
-        "shared_dirty_mib_before": _mib(memory_before.get("Shared_Dirty")),
-        "shared_dirty_mib_after": _mib(memory_after.get("Shared_Dirty")),
-        "private_dirty_mib_after": _mib(memory_after.get("Private_Dirty")),
-        "torch_preloaded": record.get("torch_preloaded"),
-        "env": record.get("env"),
-        "ancestry": lineage,
-        "driver_depth": depth,
-    }
-
-
-def _mean(values: list[Any]) -> float | None:
-    numbers = [v for v in values if isinstance(v, (int, float))]
-    return statistics.fmean(numbers) if numbers else None
-
-
-def _r(value: Any, digits: int = 4) -> Any:
-    """Rounded to ``digits`` significant digits (the JSON keeps every run: keep it small)."""
-    if not isinstance(value, float) or value == 0 or not math.isfinite(value):
-        return value
-    return round(value, max(0, digits - 1 - math.floor(math.log10(abs(value)))))
-
-
-# Per-run figures, each the mean over the reporting ranks (0 and 1).
-RUN_FIGURES = (
-    *(f"{c}_per_step" for c in COUNTERS),
-    "minflt_before_steady",
-    "majflt_before_steady",
-    "gc_ms",
-    "rss_mib",
-    "shared_dirty_mib_before",
-    "shared_dirty_mib_after",
-    "private_dirty_mib_after",
-)
-
-
-def other_cpu(records: dict[int, dict[str, Any]]) -> dict[str, float | None]:
-    """What else the machine ran during rank 0's steady state, in cores (busy CPU / wall).
-
-    ``other_cores``: busy CPU time less both ranks' own (user + system over their steady-state
-    steps); ``steal_cores``: time the hypervisor gave to other guests. On a quiet machine both
-    are near 0; a disturbed run shows here, whatever disturbed it.
-    """
-    rank0 = records.get(0) or {}
-    cpu = rank0.get("machine_cpu") or {}
-    start, end = cpu.get("steady_start") or [], cpu.get("steady_end") or []
-    timed = rank0.get("timed_s")
-    if not start or not end or not timed:
-        return {"other_cores": None, "steal_cores": None}
-    fields = rank0["machine_cpu_fields"]
-    delta = dict(zip(fields, (b - a for a, b in zip(start, end, strict=True)), strict=True))
-    tick = 1 / rank0.get("clock_ticks", 100)
-    busy = sum(v for k, v in delta.items() if k not in ("idle", "iowait", "steal")) * tick
-    ranks_cpu = sum(
-        sum(r["per_step"]["utime_s"]) + sum(r["per_step"]["stime_s"]) for r in records.values()
-    )
-    return {
-        "other_cores": (busy - ranks_cpu) / timed if len(records) == 2 else None,
-        "steal_cores": delta.get("steal", 0) * tick / timed,
-    }
-
-
-def run_figures(
-    extra: dict[str, Any], wall: float, ranks: list[dict[str, Any]], pooled: list[float]
-) -> dict[str, Any]:
-    """One run's figures for the JSON: rank 0's rate, step times of both ranks, counters."""
-    figures = extra["figures"]
-    return {
-        "round": extra["round"],
-        "started": round(extra["started"], 2),
-        "load1": extra["load1"],
-        "helpers_cpu_s": _r(extra["helpers_cpu_s"], 3),
-        "wall_s": _r(wall),
-        "samples_per_s": _r(figures["samples_per_s"], 5),
-        "timed_s": _r(figures["timed_s"]),
-        "step_median_ms": [_r(r["step_median_ms"]) for r in ranks],
-        "step_p90_ms": _r(percentile(pooled, 90) * 1000) if pooled else None,
-        "step_p99_ms": _r(percentile(pooled, 99) * 1000) if pooled else None,
-        **{k: _r(_mean([r[k] for r in ranks])) for k in RUN_FIGURES},
-        "gc_collections": [sum(r["gc_collections"][g] for r in ranks) for g in range(3)],
-        "driver_depth": sorted({r["driver_depth"] for r in ranks}, key=str),
-        **{k: _r(v, 3) for k, v in other_cpu(extra["ranks"]).items()},
-    }
-
-
-def warmup_profile(per_rank: list[dict[str, Any]]) -> list[float | None]:
-    """The median over runs and ranks of each warm-up step's time (ms): it should settle."""
-    profiles = [r["warmup_step_ms"] for r in per_rank]
-    longest = max((len(p) for p in profiles), default=0)
-    return [_r(median([p[i] for p in profiles if len(p) > i]), 3) for i in range(longest)]
-
-
-def variant_summary(series: common.Series, keep_steps: bool) -> dict[str, Any]:
-    """Medians and pooled figures of one variant, and every run's own figures."""
+def variant_summary(series: common.Series) -> dict[str, Any]:
+    """Medians of one variant, and every run's own figures."""
     summary = series.summary()
-    runs = []
-    pooled: list[float] = []
-    head: list[float] = []  # the first 10 steady-state steps of every run
-    tail: list[float] = []
-    per_rank: list[dict[str, Any]] = []
-    for extra, wall in zip(series.extra, series.seconds, strict=True):
-        ranks, steps = [], []
-        for _, record in sorted(extra["ranks"].items()):
-            ranks.append(rank_summary(record))
-            steps.extend(record["step_s"])
-            head.extend(record["step_s"][:10])
-            tail.extend(record["step_s"][10:])
-        pooled.extend(steps)
-        per_rank.extend(ranks)
-        run = run_figures(extra, wall, ranks, steps)
-        if keep_steps:
-            run["step_s"] = {str(k): r["step_s"] for k, r in sorted(extra["ranks"].items())}
-        runs.append(run)
-    rates = [r["samples_per_s"] for r in runs]
-    threads = sorted(
+    runs = [
         {
-            f"{r['torch_threads']}/{r['torch_interop_threads']}/"
-            f"{len(r['affinity'] or [])}/{r['os_threads']}"
-            for r in per_rank
+            "round": extra["round"],
+            "started": round(extra["started"], 2),
+            "load1": extra["load1"],
+            "helpers_cpu_s": round(extra["helpers_cpu_s"], 3),
+            "wall_s": round(wall, 3),
+            "samples_per_s": round(extra["figures"]["samples_per_s"], 1),
+            "timed_s": round(extra["figures"]["timed_s"], 3),
+            "step_median_ms": round(1000 * extra["figures"]["step_median_s"], 3),
         }
-    )
+        for extra, wall in zip(series.extra, series.seconds, strict=True)
+    ]
     summary.update(
         {
-            "samples_per_s_median": median(rates),
-            "samples_per_s": [round(x, 1) for x in rates],
-            "step_median_ms": median([s * 1000 for s in pooled]),
-            "step_p90_ms": 1000 * (percentile(pooled, 90) or 0.0) if pooled else None,
-            "step_p99_ms": 1000 * (percentile(pooled, 99) or 0.0) if pooled else None,
-            # > 1 would mean the first steady-state steps are still slower (warm-up too short)
-            "steady_first10_over_rest": ratio(median(head), median(tail)),
-            "warmup_profile_ms": warmup_profile(per_rank),
-            **{f"{c}_per_step": _mean([r[f"{c}_per_step"] for r in per_rank]) for c in COUNTERS},
-            "minflt_before_steady": _mean([r["minflt_before_steady"] for r in per_rank]),
-            "other_cores": _mean([r["other_cores"] for r in runs]),
-            "other_cores_max": max(
-                (r["other_cores"] for r in runs if r["other_cores"] is not None), default=None
-            ),
-            "steal_cores": _mean([r["steal_cores"] for r in runs]),
+            "samples_per_s_median": median([r["samples_per_s"] for r in runs]),
+            "samples_per_s": [r["samples_per_s"] for r in runs],
+            "step_median_ms": median([r["step_median_ms"] for r in runs]),
             "helpers_cpu_median_s": median([r["helpers_cpu_s"] for r in runs]),
-            "gc_collections_per_run": _mean([sum(r["gc_collections"]) for r in per_rank]),
-            "gc_full_per_run": _mean([r["gc_collections"][2] for r in per_rank]),
-            "gc_ms_per_run": _mean([r["gc_ms"] for r in per_rank]),
-            "gc_frozen_seen": sorted({r["gc_frozen"] for r in per_rank}, key=str),
-            "rss_mib": _mean([r["rss_mib"] for r in per_rank]),
-            "shared_dirty_mib_before": _mean([r["shared_dirty_mib_before"] for r in per_rank]),
-            "threads_seen": threads,
-            "affinity_seen": sorted({str(r["affinity"]) for r in per_rank}),
-            "torch_preloaded_seen": sorted({str(r["torch_preloaded"]) for r in per_rank}),
-            "env_seen": sorted({json.dumps(r["env"], sort_keys=True) for r in per_rank}),
-            "ancestry_seen": sorted({r["ancestry"] for r in per_rank}),
-            "driver_depth_seen": sorted({r["driver_depth"] or 0 for r in per_rank}),
             "run_figures": runs,
         }
     )
@@ -518,60 +268,18 @@ def variant_summary(series: common.Series, keep_steps: bool) -> dict[str, Any]:
 
 
 def round_figures(series: dict[str, common.Series], what: str) -> dict[str, dict[int, float]]:
-    """variant -> round -> a run's figure: 'rate' (samples/s) or 'step' (rank 0's median step)."""
-    out: dict[str, dict[int, float]] = {}
-    for name, s in series.items():
-        for extra in s.extra:
-            if what == "rate":
-                value = extra["figures"]["samples_per_s"]
-            else:
-                value = median(extra["ranks"][0]["step_s"]) or 0.0
-            out.setdefault(name, {})[extra["round"]] = value
-    return out
+    """variant -> round -> a run's figure: ``samples_per_s`` or rank 0's ``step_median_s``."""
+    return {
+        name: {extra["round"]: extra["figures"][what] for extra in s.extra}
+        for name, s in series.items()
+    }
 
 
-def _ci(c: dict[str, Any]) -> str:
-    if c.get("ci_low") is None:
-        return "-"
-    return f"{c['ci_low']:.3f}-{c['ci_high']:.3f}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    # 30 rounds of 150 steps: about 35-45 s a round on 2 quiet cores, 20-25 min in all; a
-    # multiple of the 5 variants, so each runs as often in every position of the rotation.
-    parser.add_argument(
-        "--repeats", type=int, default=30, help="measured rounds (each runs every variant)"
-    )
-    parser.add_argument("--warmup-rounds", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=150, help="timed training steps per run")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--warmup", type=int, default=20, help="untimed training steps per run")
-    parser.add_argument(
-        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}"
-    )
-    parser.add_argument(
-        "--omp-threads",
-        type=int,
-        default=max(1, (os.cpu_count() or 2) // 2),
-        help="0: each launcher's own default",
-    )
-    parser.add_argument("--gpu", action="store_true", help="use_gpu=True, nccl")
-    parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--settle", type=float, default=0.5)
-    parser.add_argument(
-        "--keep-steps", action="store_true", help="also write every step's time to the JSON"
-    )
-    parser.add_argument("--name", default=NAME)
-    args = parser.parse_args(argv)
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(names) - set(VARIANTS)
     if unknown or BASELINE not in names:
-        parser.error(f"unknown variants {sorted(unknown)}, or no {BASELINE}")
-
-    machine = common.machine_info()
+        raise SystemExit(f"unknown variants {sorted(unknown)}, or no {BASELINE}")
     omp = str(args.omp_threads) if args.omp_threads > 0 else None
     runner = Runner(args, omp, names)
     started = time.time()
@@ -581,21 +289,19 @@ def main(argv: list[str] | None = None) -> int:
         series = common.alternate(
             {name: runner.build(name) for name in names},
             args.repeats,
-            warmup=args.warmup_rounds,
+            warmup=args.warmup,
             check=check,
             settle_s=args.settle,
         )
-    runner.log_round(args.repeats - 1)
     took = time.time() - started
 
-    rates = round_figures(series, "rate")
-    steps = round_figures(series, "step")
+    rates = round_figures(series, "samples_per_s")
+    steps = round_figures(series, "step_median_s")
     base_rate = median(list(rates.get(BASELINE, {}).values()))
     base_wall = median(series[BASELINE].seconds)
     results: dict[str, Any] = {}
-    rows, mechanism = [], []
     for name, s in series.items():
-        summary = variant_summary(s, args.keep_steps)
+        summary = variant_summary(s)
         summary["description"] = VARIANTS[name]
         summary["rate_ratio_vs_torchrun"] = ratio(summary["samples_per_s_median"], base_rate)
         summary["wall_ratio_vs_torchrun"] = ratio(summary["median_s"], base_wall)
@@ -612,211 +318,60 @@ def main(argv: list[str] | None = None) -> int:
             summary["ratio_vs_default"] = paired(rates, name, DEFAULT)
             summary["ratio_vs_default"]["verdict"] = verdict(summary["ratio_vs_default"])
         results[name] = summary
-        r = summary["ratio_vs_torchrun"]
-        d = summary.get("ratio_vs_default", {})
-        rows.append(
-            [
-                name,
-                summary["samples_per_s_median"],
-                r["geomean"],
-                _ci(r),
-                r["verdict"],
-                summary["step_ratio_vs_torchrun"]["geomean"],
-                f"{d['geomean']:.3f} ({_ci(d)})" if d.get("geomean") else "-",
-                summary["median_s"],
-                summary["wall_ratio_vs_torchrun"],
-                summary["driver_cpu_median_s"],
-                summary["helpers_cpu_median_s"],
-                f"{summary['runs']} ok"
-                + (f", {len(summary['errors'])} failed" if summary["errors"] else ""),
-            ]
-        )
-        mechanism.append(
-            [
-                name,
-                summary["step_median_ms"],
-                summary["step_p90_ms"],
-                summary["step_p99_ms"],
-                summary["minflt_per_step"],
-                summary["majflt_per_step"],
-                summary["nvcsw_per_step"],
-                summary["nivcsw_per_step"],
-                1000 * (summary["stime_s_per_step"] or 0.0),
-                summary["minflt_before_steady"],
-                summary["other_cores"],
-                summary["steal_cores"],
-                summary["gc_collections_per_run"],
-                summary["rss_mib"],
-                summary["shared_dirty_mib_before"],
-                ",".join(summary["threads_seen"]),
-                ",".join(map(str, summary["driver_depth_seen"])),
-            ]
-        )
-    title = (
-        f"Throughput: CNN, DDP 2 ranks, {args.steps} steps x batch {args.batch_size} after "
-        f"{args.warmup} warm-up steps; {args.repeats} paired rounds"
-    )
-    print_table(
-        title,
-        [
-            "variant",
-            "samples/s",
-            "x torchrun",
-            "95% CI",
-            "verdict",
-            "x (med. step)",
-            f"x {DEFAULT} (CI)",
-            "wall s",
-            "wall x",
-            "driver CPU s",
-            "helpers CPU s",
-            "runs",
-        ],
-        rows,
-    )
-    print_table(
-        "Inside the ranks (steady-state steps, ranks 0 and 1, every run)",
-        [
-            "variant",
-            "step ms p50",
-            "p90",
-            "p99",
-            "minflt/step",
-            "majflt/step",
-            "vcsw/step",
-            "ivcsw/step",
-            "sys ms/step",
-            "minflt before",
-            "other cores",
-            "steal cores",
-            "gc/run",
-            "RSS MiB",
-            "shared dirty MiB",
-            "threads t/i/cpus/os",
-            "levels",
-        ],
-        mechanism,
-    )
-    for name in series:
-        print(f"  {name}: {' | '.join(results[name]['ancestry_seen'])}")
-    print(
-        "x torchrun: geometric mean over rounds of (samples/s / torchrun's in the same round), "
-        "bootstrap 95% CI over rounds; x (med. step): the same from rank 0's median step time. "
-        "threads: torch intra-op / inter-op / CPUs in the affinity mask / OS threads. levels: "
-        "processes from a rank up to this driver (ancestry below; a warm agent adds its fork "
-        "server)."
-    )
-    common.write_results(
-        args.name,
-        {
-            "repeats": args.repeats,
-            "warmup_rounds": args.warmup_rounds,
-            "steps": args.steps,
-            "batch_size": args.batch_size,
-            "warmup_steps": args.warmup,
-            "omp_num_threads": omp,
-            "use_gpu": args.gpu,
-            "baseline": BASELINE,
-            "default": DEFAULT,
-            "confidence": CONFIDENCE,
-            "bootstrap_resamples": BOOTSTRAP_RESAMPLES,
-            "duration_s": round(took, 1),
-            "variants": results,
-            "notes": (
-                "samples/s: rank 0's steady state over all ranks (between barriers, after the "
-                "warm-up steps). Ratios are paired by round: the geometric mean over rounds of "
-                "a variant's samples/s over bare torchrun's in the same round, with a "
-                f"percentile-bootstrap {CONFIDENCE:.0%} CI from {BOOTSTRAP_RESAMPLES:,} "
-                "resamples of the rounds; *vs default* pairs with ours_local_script the same "
-                "way. Counters are getrusage(RUSAGE_SELF) deltas over each steady-state step "
-                "(every thread of the rank), averaged over ranks 0 and 1 and every run; "
-                "*faults before*: minor faults from the job's start to the steady state "
-                "(import, setup, warm-up steps). Variants *_cold run with "
-                f"{WARM_AGENT_ENV}=0 in the driver."
-            ),
-        },
-        machine,
-    )
     log(f"done in {took / 60:.1f} min")
-    return 0
+    return {
+        "repeats": args.repeats,
+        "warmup_rounds": args.warmup,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "warmup_steps": args.warmup_steps,
+        "omp_num_threads": omp,
+        "use_gpu": args.gpu,
+        "baseline": BASELINE,
+        "default": DEFAULT,
+        "confidence": CONFIDENCE,
+        "bootstrap_resamples": BOOTSTRAP_RESAMPLES,
+        "duration_s": round(took, 1),
+        "variants": results,
+        "notes": (
+            "samples/s: rank 0's steady state over all ranks (between barriers, after the "
+            "warm-up steps). Ratios are paired by round: the geometric mean over rounds of "
+            "a variant's samples/s over bare torchrun's in the same round, with a "
+            f"percentile-bootstrap {CONFIDENCE:.0%} CI from {BOOTSTRAP_RESAMPLES:,} "
+            "resamples of the rounds; *vs default* pairs with ours_local_script the same "
+            "way. Variants *_cold run with "
+            f"{WARM_AGENT_ENV}=0 in the driver."
+        ),
+    }
 
 
 # -- its section of benchmarks/README.md (run_all.py collects it) --------------------------
 TITLE = "Throughput"
 
 
-def _render_throughput_medians(doc: dict[str, Any]) -> str:
-    """Results written before the paired rounds (ratios of medians only)."""
-    rows = [
-        [
-            f"`{name}`",
-            pages.num(s.get("samples_per_s_median"), 0),
-            pages.num(s.get("rate_ratio_vs_torchrun"), suffix="x"),
-            pages.num(s.get("median_s")),
-            pages.num(s.get("wall_ratio_vs_torchrun"), suffix="x"),
-            f"{s.get('runs')}{pages.errors(s)}",
-        ]
-        for name, s in doc["variants"].items()
-    ]
-    return (
-        f"Small CNN, DDP on 2 ranks, {doc.get('steps')} steps x batch {doc.get('batch_size')} "
-        f"({doc.get('warmup_steps')} warm-up steps not counted), "
-        f"OMP_NUM_THREADS={doc.get('omp_num_threads')}, median of {doc.get('repeats')}. "
-        "Wall time includes the launch.\n\n"
-        + pages.table(
-            ["variant", "samples/s", "vs torchrun", "wall s", "wall vs torchrun", "runs"], rows
-        )
-        + pages.notes(doc.get("notes"))
-    )
-
-
 def render(doc: dict[str, Any]) -> str:
     """This benchmark\'s section of benchmarks/README.md, from its JSON."""
     variants = doc["variants"]
-    if not any(isinstance(s.get("ratio_vs_torchrun"), dict) for s in variants.values()):
-        return _render_throughput_medians(doc)
     default = doc.get("default", "ours_local_script")
-    rows, counters, lineages = [], [], []
-    for name, s in variants.items():
-        r = s.get("ratio_vs_torchrun") or {}
-        rows.append(
-            [
-                f"`{name}`",
-                s.get("description", "-"),
-                pages.num(s.get("samples_per_s_median"), 0),
-                pages.ci(r),
-                r.get("verdict", "-"),
-                pages.ci(s.get("step_ratio_vs_torchrun")),
-                pages.ci(s.get("ratio_vs_default")) if name != default else "-",
-                pages.num(s.get("median_s")),
-                pages.num(s.get("wall_ratio_vs_torchrun"), suffix="x"),
-                f"{pages.num(s.get('driver_cpu_median_s'))} / {pages.num(s.get('helpers_cpu_median_s'))}",
-                f"{s.get('runs')}{pages.errors(s)}",
-            ]
-        )
-        stime = s.get("stime_s_per_step")
-        counters.append(
-            [
-                f"`{name}`",
-                f"{pages.num(s.get('step_median_ms'))} / {pages.num(s.get('step_p90_ms'))} / "
-                f"{pages.num(s.get('step_p99_ms'))}",
-                pages.num(s.get("minflt_per_step"), 1),
-                pages.num(s.get("majflt_per_step"), 2),
-                pages.num(s.get("nvcsw_per_step"), 1),
-                pages.num(s.get("nivcsw_per_step"), 2),
-                pages.num(stime * 1000 if isinstance(stime, (int, float)) else None, 2),
-                pages.num(s.get("minflt_before_steady"), 0),
-                f"{pages.num(s.get('other_cores'), 2)} ({pages.num(s.get('other_cores_max'), 2)})",
-                pages.num(s.get("steal_cores"), 2),
-                f"{pages.num(s.get('gc_collections_per_run'), 1)} ({pages.num(s.get('gc_full_per_run'), 1)})",
-                pages.num(s.get("rss_mib"), 0),
-                pages.num(s.get("shared_dirty_mib_before"), 0),
-                ", ".join(s.get("threads_seen") or []) or "-",
-                ", ".join(map(str, s.get("gc_frozen_seen") or [])) or "-",
-            ]
-        )
-        if s.get("ancestry_seen"):
-            lineages.append(f"`{name}`: " + "; ".join(f"`{a}`" for a in s["ancestry_seen"]))
+    cols: list[pages.Column] = [
+        ("variant", pages.name),
+        ("what", lambda _n, s: s.get("description", "-")),
+        ("samples/s", pages.field_("samples_per_s_median", 0)),
+        ("vs torchrun (95% CI)", lambda _n, s: pages.ci(s.get("ratio_vs_torchrun"))),
+        ("verdict", lambda _n, s: (s.get("ratio_vs_torchrun") or {}).get("verdict", "-")),
+        ("from median step", lambda _n, s: pages.ci(s.get("step_ratio_vs_torchrun"))),
+        ("vs default", lambda n, s: pages.ci(s.get("ratio_vs_default")) if n != default else "-"),
+        ("wall s", pages.field_("median_s")),
+        ("wall vs torchrun", pages.field_("wall_ratio_vs_torchrun", suffix="x")),
+        (
+            "CPU s: driver / helpers",
+            lambda _n, s: (
+                f"{pages.num(s.get('driver_cpu_median_s'))} / "
+                f"{pages.num(s.get('helpers_cpu_median_s'))}"
+            ),
+        ),
+        ("runs", lambda _n, s: f"{s.get('runs')}{pages.errors(s)}"),
+    ]
     confidence = doc.get("confidence", 0.95)
     return (
         f"Small CNN, DDP on 2 ranks, {doc.get('steps')} steps x batch {doc.get('batch_size')} "
@@ -831,57 +386,23 @@ def render(doc: dict[str, Any]) -> str:
         f"default*: paired the same way with `{default}`. Wall time includes the launch. "
         "*CPU s*: medians per run of the driver's own CPU and of its long-lived descendants' "
         "(such as the warm agent's fork server) during the run.\n\n"
-        + pages.table(
-            [
-                "variant",
-                "what",
-                "samples/s",
-                "vs torchrun (95% CI)",
-                "verdict",
-                "from median step",
-                "vs default",
-                "wall s",
-                "wall vs torchrun",
-                "CPU s: driver / helpers",
-                "runs",
-            ],
-            rows,
-        )
-        + "\n\nInside the ranks, steady-state steps only, per step (means over ranks 0 and 1 "
-        "and every run): `getrusage(RUSAGE_SELF)` deltas, all of the rank's threads. "
-        "Copy-on-write faults on a heap inherited from the agent would show as minor faults "
-        "per step; thread-pool state as thread counts and involuntary context switches. "
-        "*other cores busy*: the machine's busy CPU during rank 0's steady state less both "
-        "ranks' own, in cores (mean, and the worst run): anything else that ran, our launcher's "
-        "processes included; *steal*: CPU the hypervisor gave to other guests.\n\n"
-        + pages.table(
-            [
-                "variant",
-                "step ms p50 / p90 / p99",
-                "minor faults",
-                "major faults",
-                "voluntary ctx sw",
-                "involuntary ctx sw",
-                "system CPU ms",
-                "minor faults before steady state",
-                "other cores busy (max)",
-                "steal cores",
-                "gc collections / run (full)",
-                "RSS MiB",
-                "shared dirty MiB",
-                "threads intra/inter/CPUs/OS",
-                "gc-frozen objects",
-            ],
-            counters,
-        )
-        + (
-            "\n\nA rank's ancestors up to the driver (a warm agent is forked from a fork "
-            "server, which shows as one more level):\n\n" + "\n".join(f"- {x}" for x in lineages)
-            if lineages
-            else ""
-        )
+        + pages.columns(cols, variants)
         + pages.notes(doc.get("notes"))
+        + "\n\n"
+        + READING
     )
+
+
+READING = (
+    "Reading it: whether ranks forked from the agent train slower than fresh interpreters is a "
+    "question of a few percent. What the ranks do inside was measured once (docs/internals.md, "
+    '"Ranks are forked, not spawned"): forked ranks take fewer minor faults per step than '
+    "fresh ones (the inherited pages are never copied in the steady state), the same threads "
+    "and affinity, no collection; and a one-step-each-in-turn A/B's control, bare torchrun "
+    "against itself, moves as much between sessions as any of ours: a process's own memory "
+    "layout sets its speed by several percent on this VM, and that, not the fork, is what the "
+    "intervals contain."
+)
 
 
 def _throughput_summary_row(doc: dict[str, Any]) -> list[str]:
@@ -910,27 +431,35 @@ def _throughput_summary_row(doc: dict[str, Any]) -> list[str]:
     ]
 
 
-def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
-    """README's headline row: paired ratios with CIs, or (older files) plain rate ratios."""
-    v = doc["variants"]
-    if any(isinstance(s.get("ratio_vs_torchrun"), dict) for s in v.values()):
-        return [_throughput_summary_row(doc)]
-    rates = {
-        name: s.get("rate_ratio_vs_torchrun")
-        for name, s in v.items()
-        if name.startswith("ours") and s.get("rate_ratio_vs_torchrun") is not None
-    }
-    forked = min((r for n, r in rates.items() if not n.endswith("_spawn")), default=None)
-    spawned = min((r for n, r in rates.items() if n.endswith("_spawn")), default=None)
-    return [
-        [
-            "throughput, DDP CNN",
-            "samples/s / bare torchrun's (forked; spawned ranks)",
-            f"{pages.num(forked, suffix='x')}; {pages.num(spawned, suffix='x')}",
-            "-",
-        ]
-    ]
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=150, help="timed training steps per run")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--warmup-steps", type=int, default=20, help="untimed steps per run")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}"
+    )
+    parser.add_argument(
+        "--omp-threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="0: each launcher's own default",
+    )
+    parser.add_argument("--gpu", action="store_true", help="use_gpu=True, nccl")
 
+
+BENCH = pages.Benchmark(
+    name=NAME,
+    title=TITLE,
+    measure=measure,
+    render=render,
+    # 30 rounds of 150 steps: about 35-45 s a round on 2 quiet cores, 20-25 min in all; a
+    # multiple of the 5 variants, so each runs as often in every position of the rotation.
+    summary=lambda doc: [_throughput_summary_row(doc)],
+    options=options,
+    defaults={"repeats": 30},
+    quick=("--repeats=1", "--warmup=0", "--steps=20", "--warmup-steps=5"),
+    headline=True,
+)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main(BENCH))

@@ -3,8 +3,9 @@ processor and the API server, each its own process, on a SQLite database and a f
 port. Tasks then run as Airflow 3 runs them: a LocalExecutor worker supervises a task process
 that talks to the execution API.
 
-Used by ``tests/airflow/test_real_scheduler.py`` and ``benchmarks/real_schedulers.py``. The REST
-API is reached without credentials (``simple_auth_manager_all_admins``).
+Used by ``tests/airflow/test_real_scheduler.py`` and the scheduler benchmarks
+(``benchmarks/airflow_scheduler.py``, ``sweep_dag.py``, ``deferred.py``). The REST API is
+reached without credentials (``simple_auth_manager_all_admins``).
 """
 
 from __future__ import annotations
