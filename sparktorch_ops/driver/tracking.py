@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from sparktorch_ops.driver.durable import TRAINING_ID_TAG, TRIES_TAG
@@ -46,6 +46,7 @@ ATTEMPTS_TAG = "sparktorch_ops.attempts"
 
 _PARAM_VALUE_LIMIT = 6000  # MLflow's limit on a param value
 _MAX_PENDING = 1000  # MLflow operations in flight before a report waits for the oldest
+_FLUSH_TIMEOUT_S = 60.0  # how long the run's end waits for MLflow to take what is queued
 # MLflow keeps one async queue per tracking URI in a process, and set_terminated shuts it down
 # and starts it again: a batch queued by one run while another ends could be lost or stranded,
 # so queueing and ending take turns.
@@ -261,6 +262,10 @@ class MlflowTracker:
         if oldest is not None:
             self._wait(oldest)
 
+    def _wait_all(self, pending: Iterable[Any]) -> None:
+        for operations in pending:
+            self._wait(operations)
+
     def _wait(self, operations: Any) -> None:
         try:
             operations.wait()
@@ -298,8 +303,23 @@ class MlflowTracker:
             return
         with self._lock:
             pending, self._pending = self._pending, deque()
-        for operations in pending:
-            self._wait(operations)
+        # MLflow waits on a tracking server that stopped answering as long as its retries last:
+        # the run ends after a bounded wait, saying what may be missing.
+        flush = threading.Thread(
+            target=self._wait_all,
+            args=(pending,),
+            name="sparktorch-mlflow-flush",
+            daemon=True,
+        )
+        flush.start()
+        flush.join(_FLUSH_TIMEOUT_S)
+        if flush.is_alive():
+            self.log.warning(
+                "sparktorch_ops: MLflow had not logged the run's last metrics to run %s after "
+                "%g s; ending the run without waiting for them",
+                self.run_id,
+                _FLUSH_TIMEOUT_S,
+            )
         if self.replayed_logged:
             self.log.info(
                 "sparktorch_ops: %d metric values an earlier try reported were missing from "
