@@ -11,8 +11,8 @@ from sparktorch_ops.data.shards import epoch_rows, write_schema_file, write_shar
 from sparktorch_ops.driver.collector import RunCollector
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.launchers.base import LauncherStatus
+from sparktorch_ops.node.prefork import ForkedAgent, TorchImportError, after_run, start_agent
 from sparktorch_ops.node.process import AgentProcess, marked_processes, terminate_processes
-from sparktorch_ops.node.warm import ForkedAgent, TorchImportError, after_run, start_agent
 from sparktorch_ops.spark.dataframe import PreparedInput, stream_batches
 from sparktorch_ops.wire.channel import write_secret_file
 from sparktorch_ops.wire.env import DATA_DIR_ENV, EPOCH_ROWS_ENV, RUN_ID_ENV, SCHEMA_FILE_ENV

@@ -1,6 +1,6 @@
 """The warm agent: a process that has imported torch and forks each run's torchrun agent.
 
-Started by :mod:`sparktorch_ops.node.warm` with the first run of a launcher (the driver in local
+Started by :mod:`sparktorch_ops.node.prefork` with the first run of a launcher (the driver in local
 mode, a Spark Python worker in barrier mode) as ``python -m sparktorch_ops.node.forkserver FD``, it
 imports what an agent imports (torch, torchrun, the rank bootstrap) once, then waits. Each run
 sends it the agent's argv, environment and working directory with three file descriptors (the

@@ -24,10 +24,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from sparktorch_ops.node import layout, netif, package
-from sparktorch_ops.node.process import marked_processes, terminate_processes
-from sparktorch_ops.node.relay import Relay, RelayedFrame
-from sparktorch_ops.node.warm import (
+from sparktorch_ops.node import coordination, netif, package
+from sparktorch_ops.node.prefork import (
     HostedStore,
     TorchImportError,
     after_run,
@@ -35,6 +33,8 @@ from sparktorch_ops.node.warm import (
     prestart,
     start_agent,
 )
+from sparktorch_ops.node.process import marked_processes, terminate_processes
+from sparktorch_ops.node.relay import Relay, RelayedFrame
 from sparktorch_ops.wire import channel
 from sparktorch_ops.wire.env import (
     EPOCH_ROWS_ENV,
@@ -239,15 +239,15 @@ class BarrierTask:
             feed: Callable[[], None] | None = None
             if streamed:
                 assert self.data_schema is not None
-                data_env = layout.streamed_shard_env(workdir, self.data_schema)
+                data_env = coordination.streamed_shard_env(workdir, self.data_schema)
                 feed = functools.partial(
-                    layout.feed_shards, client, partition, workdir, len(node_plan.ranks)
+                    coordination.feed_shards, client, partition, workdir, len(node_plan.ranks)
                 )
             elif self.data_schema is not None:
-                shards = layout.write_task_shards(partition, workdir, len(node_plan.ranks))
+                shards = coordination.write_task_shards(partition, workdir, len(node_plan.ranks))
                 shard_rows = [shard.rows for shard in shards]
                 client.send_message(ShardSizes(rows=shard_rows))
-                data_env = layout.shard_env(workdir, self.data_schema, shards)
+                data_env = coordination.shard_env(workdir, self.data_schema, shards)
             # The port goes through the driver, which every task already talks to: Spark's
             # allGather() would cost about a second (paid only when coordinating in the stage).
             port_message: RendezvousPort | None = None
@@ -266,14 +266,14 @@ class BarrierTask:
             anyone_relays = False
             told = None
             if relay is None:
-                told = layout.layout_from_driver(
+                told = coordination.layout_from_driver(
                     client,
                     port_message,
                     data=self.data_schema is not None and not streamed,
                     coordinate_in_stage=self.coordinate_in_stage,
                 )
             if told is None:  # some task could not reach the driver: agree in the stage
-                port, epoch_rows, anyone_relays = layout.agree_in_stage(
+                port, epoch_rows, anyone_relays = coordination.agree_in_stage(
                     ctx, port_message, shard_rows, relay is not None, self.data_schema is not None
                 )
             else:
