@@ -11,11 +11,16 @@ from sparktorch_ops.data.shards import epoch_rows, write_schema_file, write_shar
 from sparktorch_ops.driver.collector import RunCollector
 from sparktorch_ops.errors import ConfigError
 from sparktorch_ops.launchers.base import LauncherStatus
-from sparktorch_ops.node.process import AgentProcess, marked_processes, terminate_processes
-from sparktorch_ops.node.warm import ForkedAgent, TorchImportError, after_run, start_agent
+from sparktorch_ops.node.prefork import (
+    AgentProcess,
+    ForkedAgent,
+    TorchImportError,
+    start_agent,
+    stop_run,
+)
 from sparktorch_ops.spark.dataframe import PreparedInput, stream_batches
 from sparktorch_ops.wire.channel import write_secret_file
-from sparktorch_ops.wire.env import DATA_DIR_ENV, EPOCH_ROWS_ENV, RUN_ID_ENV, SCHEMA_FILE_ENV
+from sparktorch_ops.wire.env import DATA_DIR_ENV, EPOCH_ROWS_ENV, SCHEMA_FILE_ENV
 from sparktorch_ops.wire.payload import Payload, write_rank_payload
 from sparktorch_ops.wire.plan import RunPlan
 
@@ -119,11 +124,7 @@ class LocalLauncher:
         """Stop the agent (SIGTERM, then SIGKILL) and every process of the run."""
         agent = self._agent
         try:
-            if agent is not None:
-                succeeded = agent.poll() == 0
-                agent.terminate(grace=3.0)
-                after_run(agent, succeeded)
-            terminate_processes(marked_processes(RUN_ID_ENV, self._plan.run_id), grace=1.0)
+            stop_run(agent, self._plan.run_id, succeeded=agent is not None and agent.poll() == 0)
         finally:  # the work directory (and the secret in it) goes whatever happened above
             if self._workdir is not None:
                 shutil.rmtree(self._workdir, ignore_errors=True)

@@ -1,6 +1,6 @@
 """The warm agent: a process that has imported torch and forks each run's torchrun agent.
 
-Started by :mod:`sparktorch_ops.node.warm` with the first run of a launcher (the driver in local
+Started by :mod:`sparktorch_ops.node.prefork` with the first run of a launcher (the driver in local
 mode, a Spark Python worker in barrier mode) as ``python -m sparktorch_ops.node.forkserver FD``, it
 imports what an agent imports (torch, torchrun, the rank bootstrap) once, then waits. Each run
 sends it the agent's argv, environment and working directory with three file descriptors (the
@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from sparktorch_ops.wire.env import WARM_PROCESS_ENV
+from sparktorch_ops.wire.env import RUN_ID_ENV, WARM_PROCESS_ENV
 
 #: Marks the warm agent in the process table (value: a token of its launcher); the entry is the
 #: last of the server's environment and long enough for a run's marker to take its place.
@@ -122,32 +122,35 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
         sock.send(json.dumps(message).encode())
 
 
-def _become_agent(
-    request: dict[str, Any], out_fd: int, err_fd: int, inherited: list[int]
-) -> NoReturn:
-    """In the forked child: take the run's stdio, environment and directory, then run the
-    agent (never returns)."""
+def _enter_run(run_id: str, argv: list[str], inherited: list[int]) -> None:
+    """In a forked child: its own session (as a Popen'd agent's: a terminal's Ctrl-C is not
+    for it), none of the server's descriptors, and the run's marker and ``argv`` in the
+    process table."""
+    os.setsid()
+    for fd in inherited:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    rewrite_marker(f"{RUN_ID_ENV}={run_id}")
+    rewrite_command_line(argv)
+
+
+def _become_agent(request: dict[str, Any], outputs: list[int], inherited: list[int]) -> NoReturn:
+    """In the forked child: take the run's stdio (``outputs``: stdout and stderr),
+    environment and directory, then run the agent (never returns)."""
     code = 1
     try:
-        os.setsid()  # its own session, as a Popen'd agent's: a terminal's Ctrl-C is not for it
         null = os.open(os.devnull, os.O_RDONLY)
-        for target, source in ((0, null), (1, out_fd), (2, err_fd)):
+        for target, source in enumerate((null, *outputs)):
             os.dup2(source, target)
-        for fd in {null, out_fd, err_fd, *inherited}:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        env: dict[str, str] = request["env"]
+        argv: list[str] = request["argv"]
+        _enter_run(env.get(RUN_ID_ENV, ""), argv, [null, *inherited])
         cwd = request["cwd"]
         if sys.path and sys.path[0] == os.getcwd():  # ``-m`` put the start directory first
             sys.path[0] = cwd
         os.chdir(cwd)
-        env: dict[str, str] = request["env"]
         os.environ.clear()
         os.environ.update(env)
-        from sparktorch_ops.wire.env import RUN_ID_ENV
-
-        rewrite_marker(f"{RUN_ID_ENV}={env.get(RUN_ID_ENV, '')}")
-        argv: list[str] = request["argv"]
-        rewrite_command_line(argv)
         from sparktorch_ops.node import agent
 
         sys.argv = [agent.__file__, *argv[3:]]  # as ``python -m sparktorch_ops.node.agent ...``
@@ -169,22 +172,12 @@ def _become_store(
     as the run's other processes do."""
     code = 1
     try:
-        os.setsid()
-        for fd in inherited:
-            if fd != run_sock.fileno():
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        from sparktorch_ops.wire.env import RUN_ID_ENV
-
         run_id = str(request.get("run_id", ""))
-        rewrite_marker(f"{RUN_ID_ENV}={run_id}")
-        rewrite_command_line(
-            [sys.executable, "-m", "sparktorch_ops.node.forkserver", "store", run_id]
-        )
+        shown = [sys.executable, "-m", "sparktorch_ops.node.forkserver", "store", run_id]
+        _enter_run(run_id, shown, [fd for fd in inherited if fd != run_sock.fileno()])
         from torch.distributed import TCPStore
 
         host = str(request["store"])
-
         store = TCPStore(host, 0, is_master=True, wait_for_workers=False, multi_tenant=True)
         _send(run_sock, {"pid": os.getpid(), "port": int(store.port)})
         while run_sock.recv(1 << 10):
@@ -233,9 +226,8 @@ class _Server:
             if not message:
                 self.accepting = False  # dropped by the launcher: no more runs
             return
-        if len(fds) == 1:  # a rendezvous store: one socket, no output
-            fds += [os.open(os.devnull, os.O_WRONLY) for _ in range(2)]
-        run_fd, out_fd, err_fd = fds
+        # The run's socket; for an agent, its stdout and stderr too (a store has no output).
+        run_fd, *outputs = fds
         run_sock = socket.socket(fileno=run_fd)
         refusal = None
         if self.import_error is not None:
@@ -249,25 +241,24 @@ class _Server:
                 refusal = {"refused": "this warm process has initialised CUDA"}
         if refusal is not None:
             _send(run_sock, refusal)
-            for fd in (out_fd, err_fd):
+            for fd in outputs:
                 os.close(fd)
             run_sock.close()
             return
         request = json.loads(message)
-        inherited = [self.control.fileno(), run_fd]
+        inherited = [self.control.fileno(), run_fd, *outputs]
         for agent in self.agents.values():
             inherited += [agent.pidfd, agent.sock.fileno()]
-        store_host = request.get("store")
         pid = os.fork()
         if pid == 0:
-            if store_host is not None:
-                _become_store(request, run_sock, [*inherited, out_fd, err_fd])
-            _become_agent(request, out_fd, err_fd, inherited)
-        os.close(out_fd)
-        os.close(err_fd)
+            if "store" in request:
+                _become_store(request, run_sock, inherited)
+            _become_agent(request, outputs, inherited)
+        for fd in outputs:
+            os.close(fd)
         pidfd = os.pidfd_open(pid)
         self.agents[pidfd] = _Agent(pid, pidfd, run_sock)
-        if store_host is None:  # a store says its pid with its port
+        if "store" not in request:  # a store says its pid with its port
             _send(run_sock, {"pid": pid})
 
     def _reap(self, agent: _Agent) -> None:

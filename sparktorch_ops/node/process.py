@@ -6,7 +6,6 @@ import atexit
 import ctypes
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -106,9 +105,9 @@ class LineSplitter:
             # Whole chunks are decoded at once: '\n' never occurs inside a UTF-8 sequence.
             complete = bytes(self._partial[:newline])
             del self._partial[: newline + 1]
-            lines = complete.decode("utf-8", errors="replace").split("\n")
+            lines = _decode(complete).split("\n")
             if b"\r" in complete:
-                lines = [_latest_redraw_text(line) for line in lines]
+                lines = [line.rstrip("\r").rpartition("\r")[2] for line in lines]
         if b"\r" in self._partial:
             latest = _latest_redraw(bytes(self._partial))
             self._partial = bytearray(latest)
@@ -130,14 +129,7 @@ class LineSplitter:
 
 def _latest_redraw(raw: bytes) -> bytes:
     """The text after the last carriage return that is followed by something."""
-    stripped = raw.rstrip(b"\r")
-    cut = stripped.rfind(b"\r")
-    return stripped[cut + 1 :] if cut >= 0 else stripped
-
-
-def _latest_redraw_text(line: str) -> str:
-    stripped = line.rstrip("\r")
-    return stripped.rpartition("\r")[2]
+    return raw.rstrip(b"\r").rpartition(b"\r")[2]
 
 
 def _decode(raw: bytes) -> str:
@@ -338,62 +330,6 @@ def terminate_tree(pid: int, grace: float = 5.0) -> None:
     process-group kill would miss them.
     """
     terminate_processes(tree_of(pid), grace)
-
-
-class AgentProcess:
-    """A node's torchrun agent: started in its own session, its output pumped to callbacks."""
-
-    def __init__(
-        self,
-        argv: Iterable[str],
-        env: dict[str, str],
-        cwd: str | None,
-        on_stdout: Callable[[list[str]], None],
-        on_stderr: Callable[[list[str]], None],
-    ) -> None:
-        # Own session: a terminal's Ctrl-C reaches the launcher, which tears down in order.
-        self.proc = subprocess.Popen(
-            list(argv),
-            env=env,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        self._pumps = [
-            threading.Thread(target=pump_lines, args=(stream, emit), daemon=True)
-            for stream, emit in ((self.proc.stdout, on_stdout), (self.proc.stderr, on_stderr))
-        ]
-        for pump in self._pumps:
-            pump.start()
-
-    @property
-    def pid(self) -> int:
-        """The agent's pid."""
-        return self.proc.pid
-
-    def poll(self) -> int | None:
-        """The exit code once the agent exited, else None."""
-        return self.proc.poll()
-
-    def finish_output(self, timeout: float = 5.0) -> None:
-        """Wait for the output pumps to reach the end of the streams."""
-        for pump in self._pumps:
-            pump.join(timeout)
-
-    def terminate(self, grace: float = 5.0) -> None:
-        """Terminate the agent and everything under it. Idempotent."""
-        terminate_tree(self.proc.pid, grace)
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        self.finish_output()
-        for stream in (self.proc.stdout, self.proc.stderr):
-            if stream is not None:
-                stream.close()
 
 
 def marked_processes(marker_env: str, value: str) -> list[ProcessHandle]:

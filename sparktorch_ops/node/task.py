@@ -24,22 +24,19 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from sparktorch_ops.node import layout, netif, package
-from sparktorch_ops.node.process import marked_processes, terminate_processes
-from sparktorch_ops.node.relay import Relay, RelayedFrame
-from sparktorch_ops.node.warm import (
+from sparktorch_ops.node import coordination, netif, package
+from sparktorch_ops.node.prefork import (
     HostedStore,
     TorchImportError,
     after_run,
     host_store,
     prestart,
     start_agent,
+    stop_run,
 )
+from sparktorch_ops.node.relay import Relay, RelayedFrame
 from sparktorch_ops.wire import channel
-from sparktorch_ops.wire.env import (
-    EPOCH_ROWS_ENV,
-    RUN_ID_ENV,
-)
+from sparktorch_ops.wire.env import EPOCH_ROWS_ENV
 from sparktorch_ops.wire.messages import (
     STDERR,
     STDOUT,
@@ -58,28 +55,6 @@ _STORE_HOLD_S = 60.0
 #: it relays its ranks' frames instead.
 REACH_TIMEOUT_S = 5.0
 RETRIED_STAGE = "Spark retried the barrier stage after a failure; sparktorch_ops refuses retries"
-
-
-def _host_rendezvous_store(
-    host: str, agent_argv: list[str], agent_env: dict[str, str]
-) -> tuple[Any, int]:
-    """A TCPStore server on a port the OS picks, kept open while the task holds the first
-    value: hosted by a child of the warm process that will fork this node's agent (this
-    process then never imports torch), else in this process.
-
-    Raises:
-        TorchImportError: torch does not import here.
-    """
-    hosted = host_store(agent_argv, agent_env, host)
-    if hosted is not None:
-        return hosted, hosted.port
-    try:
-        from torch.distributed import TCPStore
-    except Exception as exc:
-        raise TorchImportError(f"{type(exc).__name__}: {exc}") from exc
-
-    store = TCPStore(host, 0, is_master=True, wait_for_workers=False, multi_tenant=True)
-    return store, int(store.port)
 
 
 class StopSignal:
@@ -186,20 +161,17 @@ class BarrierTask:
         """The node's connection: to the driver, else (when coordinating in the stage) to a
         relay of its own, with the reason the driver was out of reach."""
         plan = self.plan
+        connect = functools.partial(
+            channel.ChannelClient.connect,
+            plan.channel_address,
+            self.secret,
+            hello,
+            fingerprint=plan.channel_fingerprint,
+        )
         if not self.coordinate_in_stage:
-            client = channel.ChannelClient.connect(
-                plan.channel_address, self.secret, hello, fingerprint=plan.channel_fingerprint
-            )
-            return client, None, None
+            return connect(), None, None
         try:
-            client = channel.ChannelClient.connect(
-                plan.channel_address,
-                self.secret,
-                hello,
-                timeout=REACH_TIMEOUT_S,
-                fingerprint=plan.channel_fingerprint,
-            )
-            return client, None, None
+            return connect(timeout=REACH_TIMEOUT_S), None, None
         except channel.ChannelError as exc:
             relay = Relay(self.secret, os.path.join(workdir, "relay.frames"))
             return channel.ChannelClient.connect(relay.address, self.secret, hello), relay, str(exc)
@@ -239,21 +211,21 @@ class BarrierTask:
             feed: Callable[[], None] | None = None
             if streamed:
                 assert self.data_schema is not None
-                data_env = layout.streamed_shard_env(workdir, self.data_schema)
+                data_env = coordination.shard_env(workdir, self.data_schema, streamed=True)
                 feed = functools.partial(
-                    layout.feed_shards, client, partition, workdir, len(node_plan.ranks)
+                    coordination.feed_shards, client, partition, workdir, len(node_plan.ranks)
                 )
             elif self.data_schema is not None:
-                shards = layout.write_task_shards(partition, workdir, len(node_plan.ranks))
+                shards = coordination.write_task_shards(partition, workdir, len(node_plan.ranks))
                 shard_rows = [shard.rows for shard in shards]
                 client.send_message(ShardSizes(rows=shard_rows))
-                data_env = layout.shard_env(workdir, self.data_schema, shards)
+                data_env = coordination.shard_env(workdir, self.data_schema, streamed=False)
             # The port goes through the driver, which every task already talks to: Spark's
             # allGather() would cost about a second (paid only when coordinating in the stage).
             port_message: RendezvousPort | None = None
             if node == 0:
                 try:
-                    store, port = _host_rendezvous_store(hosts[0], argv, env)
+                    store, port = host_store(argv, env, hosts[0])
                     port_message = RendezvousPort(port=port)
                 except TorchImportError as exc:
                     return self._unusable(client, relay, node, hosts[node], str(exc)), relay
@@ -266,14 +238,14 @@ class BarrierTask:
             anyone_relays = False
             told = None
             if relay is None:
-                told = layout.layout_from_driver(
+                told = coordination.layout_from_driver(
                     client,
                     port_message,
                     data=self.data_schema is not None and not streamed,
                     coordinate_in_stage=self.coordinate_in_stage,
                 )
             if told is None:  # some task could not reach the driver: agree in the stage
-                port, epoch_rows, anyone_relays = layout.agree_in_stage(
+                port, epoch_rows, anyone_relays = coordination.agree_in_stage(
                     ctx, port_message, shard_rows, relay is not None, self.data_schema is not None
                 )
             else:
@@ -398,9 +370,7 @@ class BarrierTask:
             try:
                 feed()
             except BaseException:
-                agent.terminate(grace=3.0)
-                after_run(agent, succeeded=False)
-                terminate_processes(marked_processes(RUN_ID_ENV, plan.run_id), grace=1.0)
+                stop_run(agent, plan.run_id, succeeded=False)
                 raise
         # The driver closes the channel when the run is over or must stop.
         watcher = threading.Thread(target=client.wait_closed, daemon=True)
@@ -410,9 +380,7 @@ class BarrierTask:
                 break
             time.sleep(0.1)
         if agent.poll() is None:
-            agent.terminate(grace=3.0)
-            after_run(agent, succeeded=False)
-            terminate_processes(marked_processes(RUN_ID_ENV, plan.run_id), grace=1.0)
+            stop_run(agent, plan.run_id, succeeded=False)
             return agent.poll()
         agent.finish_output()
         code = agent.poll()
@@ -464,32 +432,35 @@ def stage_rows(task: BarrierTask) -> Callable[[Iterable[Any]], Iterator[Any]]:
 
 _BATCH_BYTES = 4 << 20
 _BATCH_ROWS = 1024
+# The stage's columns with their Spark and Arrow types, for STAGE_DDL and the batches' schema.
+_STAGE_COLUMNS = (
+    ("node", "int"),
+    ("host", "string"),
+    ("exit_code", "int"),
+    ("error", "string"),
+    ("unreachable", "string"),
+    ("peer", "int"),
+    ("kind", "int"),
+    ("frame", "binary"),
+    ("time", "double"),
+)
 
 
 def _stage_schema() -> Any:
     """The Arrow schema of the stage's rows (:data:`STAGE_DDL`)."""
     import pyarrow as pa
 
-    return pa.schema(
-        [
-            ("node", pa.int32()),
-            ("host", pa.string()),
-            ("exit_code", pa.int32()),
-            ("error", pa.string()),
-            ("unreachable", pa.string()),
-            ("peer", pa.int32()),
-            ("kind", pa.int32()),
-            ("frame", pa.binary()),
-            ("time", pa.float64()),
-        ]
-    )
+    types = {
+        "int": pa.int32(),
+        "string": pa.string(),
+        "binary": pa.binary(),
+        "double": pa.float64(),
+    }
+    return pa.schema([(name, types[kind]) for name, kind in _STAGE_COLUMNS])
 
 
 #: A task's report (``peer`` null) or one frame it relayed (``host``, ``exit_code``... null).
-STAGE_DDL = (
-    "node int, host string, exit_code int, error string, unreachable string, "
-    "peer int, kind int, frame binary, time double"
-)
+STAGE_DDL = ", ".join(f"{name} {kind}" for name, kind in _STAGE_COLUMNS)
 
 
 def stage_row_item(row: dict[str, Any]) -> tuple[int, TaskReport | RelayedFrame]:

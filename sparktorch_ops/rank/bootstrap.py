@@ -37,9 +37,6 @@ from sparktorch_ops.results import OUTPUT_CUT_NOTE, signal_name
 from sparktorch_ops.wire import channel
 from sparktorch_ops.wire.env import (
     AGENT_PID_ENV,
-    CHANNEL_ENV,
-    FINGERPRINT_ENV,
-    NODE_HOST_ENV,
     SECRET_FILE_ENV,
     STACK_FDS_ENV,
 )
@@ -48,7 +45,6 @@ from sparktorch_ops.wire.messages import (
     STDERR,
     STDOUT,
     ExitReport,
-    Hello,
     MessageError,
     RankStacks,
     StackRequest,
@@ -261,20 +257,14 @@ def main() -> None:
     agent_pid = int(os.environ.get(AGENT_PID_ENV, os.getppid()))
     die_with_parent(signal.SIGTERM, agent_pid)
     set_process_name(f"torch-sup-{os.environ['RANK']}")
-    hello = Hello(
-        role="supervisor",
-        rank=int(os.environ["RANK"]),
-        local_rank=int(os.environ["LOCAL_RANK"]),
-        group_rank=int(os.environ.get("GROUP_RANK", "0")),
-        host=os.environ.get(NODE_HOST_ENV, ""),
-        attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-        pid=os.getpid(),
-    )
     # DataFrame input still being written: the rank's clock starts once it has its rows.
     shards.wait_for_epoch_rows(os.environ)
     secret = channel.read_secret_file(os.environ[SECRET_FILE_ENV])
-    client = channel.ChannelClient.connect(
-        os.environ[CHANNEL_ENV], secret, hello, fingerprint=os.environ.get(FINGERPRINT_ENV)
+    client = worker.connect(
+        "supervisor",
+        secret,
+        local_rank=int(os.environ["LOCAL_RANK"]),
+        group_rank=int(os.environ.get("GROUP_RANK", "0")),
     )
     supervisor = Supervisor(client, secret)
     supervisor.start()

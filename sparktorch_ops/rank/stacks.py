@@ -179,21 +179,21 @@ class StackLine:
         Takes at most about ``THREADS_ANSWER_S + DUMP_ANSWER_S``; one request at a time.
         """
         with self._lock:
-            _drain_socket(self._request)
-            _drain_fd(self._dump)
+            _drain(self._request.fileno())
+            _drain(self._dump)
             try:
                 self._request.sendall(b"?")
-                text = _read_answer(self._request, THREADS_ANSWER_S)
+                answer = _read(self._request.fileno(), THREADS_ANSWER_S, dump=False)
             except OSError:
-                text = None
-            if text is not None:
-                where, _, stacks = text.partition("\n")
+                answer = b""
+            if answer.endswith(_END):
+                where, _, stacks = answer[:-1].decode("utf-8", "replace").partition("\n")
                 return Stacks(stacks, where, "threads")
             try:
                 send_signal(STACK_SIGNAL)
             except OSError:
                 return Stacks("", "did not answer: the rank process is gone", "none")
-            dump = _read_dump(self._dump, DUMP_ANSWER_S)
+            dump = _cap(_read(self._dump, DUMP_ANSWER_S, dump=True).decode("utf-8", "replace"))
             if dump:
                 dump = tidy_dump(dump, self._entry)
                 note = "[the rank's helper thread did not answer: faulthandler's dump]\n"
@@ -202,45 +202,25 @@ class StackLine:
             return Stacks("", f"did not answer within {waited:g} s", "none")
 
 
-def _drain_socket(sock: socket.socket) -> None:
+def _drain(fd: int) -> None:
     """Drop a late answer to an earlier request."""
-    while select.select([sock], [], [], 0)[0]:
-        if not sock.recv(1 << 16):
-            return
-
-
-def _drain_fd(fd: int) -> None:
     while select.select([fd], [], [], 0)[0]:
         if not os.read(fd, 1 << 16):
             return
 
 
-def _read_answer(sock: socket.socket, timeout: float) -> str | None:
-    """The helper's answer (up to its end marker) within ``timeout``, or None."""
+def _read(fd: int, timeout: float, dump: bool) -> bytes:
+    """What arrives on ``fd`` within ``timeout``: up to the helper's end marker, or for a
+    faulthandler ``dump`` (which has none) until the pipe is quiet for ``_QUIET_S``."""
     deadline = time.monotonic() + timeout
     data = bytearray()
-    while not data.endswith(_END):
+    while dump or not data.endswith(_END):
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([sock], [], [], remaining)[0]:
-            return None
-        chunk = sock.recv(1 << 16)
-        if not chunk:
-            return None
-        data += chunk
-    return data[:-1].decode("utf-8", "replace")
-
-
-def _read_dump(fd: int, timeout: float) -> str:
-    """What faulthandler writes into the pipe within ``timeout`` (complete once it is quiet)."""
-    deadline = time.monotonic() + timeout
-    data = bytearray()
-    while True:
-        remaining = deadline - time.monotonic()
-        wait = min(remaining, _QUIET_S) if data else remaining
+        wait = min(remaining, _QUIET_S) if dump and data else remaining
         if wait <= 0 or not select.select([fd], [], [], wait)[0]:
             break
         chunk = os.read(fd, 1 << 16)
         if not chunk:
             break
         data += chunk
-    return _cap(data.decode("utf-8", "replace"))
+    return bytes(data)

@@ -35,17 +35,23 @@ from sparktorch_ops.wire.env import (
     SECRET_FILE_ENV,
     STACK_FDS_ENV,
 )
-from sparktorch_ops.wire.messages import FailureReport, Hello
+from sparktorch_ops.wire.messages import FailureReport, Hello, Role
 from sparktorch_ops.wire.payload import read_rank_payload
 
 
-def _hello() -> Hello:
-    return Hello(
-        role="worker",
+def connect(role: Role, secret: str, **hello: int) -> channel.ChannelClient:
+    """This process's own connection to the driver's channel, as ``role`` of this rank (the
+    supervisor and the rank process each have one)."""
+    said = Hello(
+        role=role,
         rank=int(os.environ["RANK"]),
         host=os.environ.get(NODE_HOST_ENV, ""),
         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         pid=os.getpid(),
+        **hello,
+    )
+    return channel.ChannelClient.connect(
+        os.environ[CHANNEL_ENV], secret, said, fingerprint=os.environ.get(FINGERPRINT_ENV)
     )
 
 
@@ -103,14 +109,11 @@ def main(secret: str | None = None) -> int:
     secret_path = os.environ.pop(SECRET_FILE_ENV)
     if secret is None:
         secret = channel.read_secret_file(secret_path)
-    hello = _hello()
-    client = channel.ChannelClient.connect(
-        os.environ[CHANNEL_ENV], secret, hello, fingerprint=os.environ.get(FINGERPRINT_ENV)
-    )
+    client = connect("worker", secret)
     reporting.install(client)
     try:
-        assert hello.rank is not None
-        code = run_payload(read_rank_payload(os.environ[PAYLOAD_ENV]), client, hello.rank)
+        rank = int(os.environ["RANK"])
+        code = run_payload(read_rank_payload(os.environ[PAYLOAD_ENV]), client, rank)
     except BaseException as exc:
         text = traceback.format_exc()
         sys.stdout.flush()

@@ -31,7 +31,7 @@ from sparktorch_ops import (
     TrainingFailedError,
     TrainingTimeoutError,
 )
-from sparktorch_ops.node import warm
+from sparktorch_ops.node import prefork
 from sparktorch_ops.wire import env as wire_env
 from sparktorch_ops.wire.env import WARM_PROCESS_ENV
 from tests.support.cluster import cluster_env
@@ -40,9 +40,9 @@ from tests.support.driver import ROOT
 
 @pytest.fixture(autouse=True)
 def no_warm_process_before_or_after() -> Any:
-    warm.shutdown()
+    prefork.shutdown()
     yield
-    warm.shutdown()
+    prefork.shutdown()
 
 
 def visible_state(tmp: str, change: bool) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import pytest
 
 from harness.procs import warm_processes
 from sparktorch_ops.node.forkserver import MARKER_SLOT_CHARS, command_line_room, slot_value
-from sparktorch_ops.node.warm import import_environment, warm_enabled
+from sparktorch_ops.node.prefork import import_environment, warm_enabled
 from sparktorch_ops.wire.env import WARM_AGENT_ENV, WARM_PROCESS_ENV
 
 pytestmark = pytest.mark.unit
@@ -177,7 +177,7 @@ def test_a_warm_process_that_cannot_import_torch_says_why_and_no_cold_agent_star
     """A torch that is installed but raises on import (a missing CUDA library, a broken
     wheel): the warm process reports its import error, and the launcher raises it instead of
     starting a cold agent that would fail the same way, later and less clearly."""
-    from sparktorch_ops.node import warm
+    from sparktorch_ops.node import prefork
 
     broken = tmp_path / "site" / "torch"
     broken.mkdir(parents=True)
@@ -185,8 +185,8 @@ def test_a_warm_process_that_cannot_import_torch_says_why_and_no_cold_agent_star
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{tmp_path / 'site'}:{sys.path[0]}"}
     argv = [sys.executable, "-m", "sparktorch_ops.node.agent", "sparktorch-x"]
     started: list[str] = []
-    with pytest.raises(warm.TorchImportError, match=r"libcudart\.so\.12: cannot open"):
-        warm.start_agent(argv, env, str(tmp_path), started.extend, started.extend)
+    with pytest.raises(prefork.TorchImportError, match=r"libcudart\.so\.12: cannot open"):
+        prefork.start_agent(argv, env, str(tmp_path), started.extend, started.extend)
     assert started == []  # nothing else started
     deadline = time.monotonic() + 10  # and the warm process that failed leaves
     while warm_processes(os.getpid()) and time.monotonic() < deadline:

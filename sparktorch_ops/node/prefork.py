@@ -31,11 +31,17 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import IO, Any
 
 from sparktorch_ops.node.forkserver import command_line_room, slot_value
-from sparktorch_ops.node.process import AgentProcess, ProcessHandle, pump_lines, terminate_tree
+from sparktorch_ops.node.process import (
+    ProcessHandle,
+    marked_processes,
+    pump_lines,
+    terminate_processes,
+    terminate_tree,
+)
 from sparktorch_ops.wire.env import (
     PER_RUN_VARIABLES,
     RUN_ID_ENV,
@@ -44,7 +50,6 @@ from sparktorch_ops.wire.env import (
     WARM_PROCESS_ENV,
 )
 
-#: ``0`` (or ``false``/``no``/``off``) in the launcher's environment: start every agent cold.
 # How long a run waits for the warm process to fork its agent (its first run includes the
 # imports, which a cold agent would pay the same); past it, the run starts a cold agent.
 _FORK_TIMEOUT_S = 120.0
@@ -135,30 +140,15 @@ class WarmServer:
             WarmUnavailable: the server is gone, refused, or did not answer in time.
             TorchImportError: the server could not import torch.
         """
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         out_read, out_write = os.pipe()
         err_read, err_write = os.pipe()
-        request = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
         try:
-            with self._lock:
-                socket.send_fds(self._control, [request], [theirs.fileno(), out_write, err_write])
-        except OSError as exc:
-            for fd in (out_read, err_read):
-                os.close(fd)
-            mine.close()
-            raise WarmUnavailable(f"the warm agent is gone ({exc})") from exc
-        finally:
-            theirs.close()
-            os.close(out_write)
-            os.close(err_write)
-        try:
-            reply = self._await_reply(mine)
+            sock, reply = self._ask({"argv": argv, "env": env, "cwd": cwd}, [out_write, err_write])
         except BaseException:
-            mine.close()
-            for fd in (out_read, err_read):
-                os.close(fd)
+            os.close(out_read)
+            os.close(err_read)
             raise
-        return ForkedAgent(self, int(reply["pid"]), mine, out_read, err_read, on_stdout, on_stderr)
+        return ForkedAgent(self, int(reply["pid"]), sock, out_read, err_read, on_stdout, on_stderr)
 
     def host_store(self, host: str, run_id: str) -> HostedStore:
         """Have the server fork a child that hosts run ``run_id``'s rendezvous store on
@@ -168,24 +158,29 @@ class WarmServer:
             WarmUnavailable: the server is gone, refused, or did not answer in time.
             TorchImportError: the server could not import torch.
         """
+        sock, reply = self._ask({"store": host, "run_id": run_id}, [])
+        return HostedStore(int(reply["port"]), sock)
+
+    def _ask(self, request: dict[str, Any], fds: list[int]) -> tuple[socket.socket, dict[str, Any]]:
+        """Send ``request`` with a new socket's far end and ``fds`` (closed here either way);
+        the near end, which the child's run holds, and the server's reply."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             with self._lock:
-                request = json.dumps({"store": host, "run_id": run_id}).encode()
-                socket.send_fds(self._control, [request], [theirs.fileno()])
+                message = [json.dumps(request).encode()]
+                socket.send_fds(self._control, message, [theirs.fileno(), *fds])
         except OSError as exc:
             mine.close()
             raise WarmUnavailable(f"the warm agent is gone ({exc})") from exc
         finally:
             theirs.close()
+            for fd in fds:
+                os.close(fd)
         try:
-            reply = self._await_reply(mine)
-            if "port" not in reply:
-                raise WarmUnavailable(f"the warm agent could not host a store: {reply}")
+            return mine, self._await_reply(mine)
         except BaseException:
             mine.close()
             raise
-        return HostedStore(int(reply["port"]), mine)
 
     def _await_reply(self, sock: socket.socket) -> dict[str, Any]:
         deadline = time.monotonic() + _FORK_TIMEOUT_S
@@ -237,10 +232,78 @@ class HostedStore:
         self._sock.close()
 
 
-class ForkedAgent:
-    """A run's agent forked by a :class:`WarmServer`: the surface of
-    :class:`~sparktorch_ops.node.process.AgentProcess` (the server, its parent, reports its
-    exit)."""
+class _PumpedAgent:
+    """A run's agent whose stdout and stderr are pumped, in lines, to two callbacks."""
+
+    def _pump(
+        self,
+        streams: Sequence[IO[bytes]],
+        on_stdout: Callable[[list[str]], None],
+        on_stderr: Callable[[list[str]], None],
+    ) -> None:
+        self._streams = streams
+        self._pumps = [
+            threading.Thread(target=pump_lines, args=(stream, emit), daemon=True)
+            for stream, emit in zip(streams, (on_stdout, on_stderr), strict=True)
+        ]
+        for pump in self._pumps:
+            pump.start()
+
+    def finish_output(self, timeout: float = 5.0) -> None:
+        """Wait for the output pumps to reach the end of the streams."""
+        for pump in self._pumps:
+            pump.join(timeout)
+
+    def _close_output(self) -> None:
+        self.finish_output()
+        for stream in self._streams:
+            stream.close()
+
+
+class AgentProcess(_PumpedAgent):
+    """A node's torchrun agent started cold: a fresh interpreter in its own session."""
+
+    def __init__(
+        self,
+        argv: Iterable[str],
+        env: dict[str, str],
+        cwd: str | None,
+        on_stdout: Callable[[list[str]], None],
+        on_stderr: Callable[[list[str]], None],
+    ) -> None:
+        # Own session: a terminal's Ctrl-C reaches the launcher, which tears down in order.
+        self.proc = subprocess.Popen(
+            list(argv),
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self._pump([self.proc.stdout, self.proc.stderr], on_stdout, on_stderr)
+
+    @property
+    def pid(self) -> int:
+        """The agent's pid."""
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        """The exit code once the agent exited, else None."""
+        return self.proc.poll()
+
+    def terminate(self, grace: float = 5.0) -> None:
+        """Terminate the agent and everything under it. Idempotent."""
+        terminate_tree(self.proc.pid, grace)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        self._close_output()
+
+
+class ForkedAgent(_PumpedAgent):
+    """A run's agent forked by a :class:`WarmServer`: the surface of :class:`AgentProcess`
+    (the server, its parent, reports its exit)."""
 
     def __init__(
         self,
@@ -257,13 +320,8 @@ class ForkedAgent:
         self._sock = sock
         self._returncode: int | None = None
         self._process = ProcessHandle.of(pid)
-        self._streams = [os.fdopen(fd, "rb", buffering=0) for fd in (out_read, err_read)]
-        self._pumps = [
-            threading.Thread(target=pump_lines, args=(stream, emit), daemon=True)
-            for stream, emit in zip(self._streams, (on_stdout, on_stderr), strict=True)
-        ]
-        for pump in self._pumps:
-            pump.start()
+        streams = [os.fdopen(fd, "rb", buffering=0) for fd in (out_read, err_read)]
+        self._pump(streams, on_stdout, on_stderr)
 
     def poll(self) -> int | None:
         """The exit code once the agent exited (``-N``: killed by signal N), else None."""
@@ -285,11 +343,6 @@ class ForkedAgent:
     def _running(self) -> bool:
         return self._process is not None and self._process.running()
 
-    def finish_output(self, timeout: float = 5.0) -> None:
-        """Wait for the output pumps to reach the end of the streams."""
-        for pump in self._pumps:
-            pump.join(timeout)
-
     def terminate(self, grace: float = 5.0) -> None:
         """Terminate the agent and everything under it, then wait for its exit. Idempotent."""
         if self.poll() is None and self._process is not None:
@@ -297,9 +350,7 @@ class ForkedAgent:
         deadline = time.monotonic() + 5.0
         while self.poll() is None and time.monotonic() < deadline and self._running():
             time.sleep(0.02)
-        self.finish_output()
-        for stream in self._streams:
-            stream.close()
+        self._close_output()
         self._sock.close()
 
 
@@ -324,9 +375,8 @@ def start_agent(
     argv = list(argv)
     if not warm_enabled():
         return AgentProcess(argv, env, cwd, on_stdout, on_stderr)
-    python, wanted = argv[0], import_environment(env)
     for attempt in (1, 2):  # a server that died since its last run is replaced once
-        server = _server_for(python, wanted, argv)
+        server = _server_for(argv, env)
         try:
             return server.fork_agent(argv, env, cwd or os.getcwd(), on_stdout, on_stderr)
         except TorchImportError:
@@ -340,26 +390,33 @@ def start_agent(
     return AgentProcess(argv, env, cwd, on_stdout, on_stderr)
 
 
-def host_store(argv: Iterable[str], env: dict[str, str], host: str) -> HostedStore | None:
-    """Host a run's rendezvous store in a child of the warm process that :func:`start_agent`
-    with this argv and environment forks from (started here if need be), so that this process
-    need not import torch; None where warm processes are off or this one cannot serve.
+def host_store(argv: Iterable[str], env: dict[str, str], host: str) -> tuple[Any, int]:
+    """A run's rendezvous store (torch's TCPStore) on ``host``, on a port the OS picks, kept
+    while the caller holds the first value; the port. Hosted by a child of the warm process
+    that :func:`start_agent` with this argv and environment forks from (started here if need
+    be), so that this process need not import torch; else, where warm processes are off or
+    this one cannot serve, in this process.
 
     Raises:
-        TorchImportError: the warm process could not import torch.
+        TorchImportError: torch does not import (in the warm process, or here).
     """
     argv = list(argv)
-    if not warm_enabled():
-        return None
-    server = _server_for(argv[0], import_environment(env), argv)
+    if warm_enabled():
+        server = _server_for(argv, env)
+        try:
+            hosted = server.host_store(host, env.get(RUN_ID_ENV, ""))
+            return hosted, hosted.port
+        except TorchImportError:
+            discard(server)
+            raise
+        except WarmUnavailable as exc:
+            _log.debug("the warm agent hosts no store (%s)", exc)
     try:
-        return server.host_store(host, env.get(RUN_ID_ENV, ""))
-    except TorchImportError:
-        discard(server)
-        raise
-    except WarmUnavailable as exc:
-        _log.debug("the warm agent hosts no store (%s)", exc)
-        return None
+        from torch.distributed import TCPStore
+    except Exception as exc:
+        raise TorchImportError(f"{type(exc).__name__}: {exc}") from exc
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False, multi_tenant=True)
+    return store, int(store.port)
 
 
 def prestart(argv: Iterable[str], env: dict[str, str]) -> None:
@@ -369,17 +426,18 @@ def prestart(argv: Iterable[str], env: dict[str, str]) -> None:
     environment that turns out different later only means :func:`start_agent` replaces it."""
     argv = list(argv)
     if argv and warm_enabled():
-        _server_for(argv[0], import_environment(env), argv)
+        _server_for(argv, env)
 
 
-def _server_for(python: str, env: dict[str, str], argv: list[str]) -> WarmServer:
+def _server_for(argv: list[str], env: dict[str, str]) -> WarmServer:
+    python, wanted = argv[0], import_environment(env)
     with _servers_lock:
         server = _servers.get(python)
-        if server is not None and (not server.alive() or server.env != env):
+        if server is not None and (not server.alive() or server.env != wanted):
             server.close()  # it finishes what it runs, then leaves
             server = None
         if server is None:
-            server = _servers[python] = WarmServer(python, env, room_for=argv)
+            server = _servers[python] = WarmServer(python, wanted, room_for=argv)
         return server
 
 
@@ -395,6 +453,15 @@ def after_run(agent: AgentProcess | ForkedAgent, succeeded: bool) -> None:
     """Keep the warm process for the next run only after a run that succeeded."""
     if isinstance(agent, ForkedAgent) and not succeeded:
         discard(agent.server)
+
+
+def stop_run(agent: AgentProcess | ForkedAgent | None, run_id: str, succeeded: bool) -> None:
+    """Stop a run's agent (SIGTERM, then SIGKILL; see :func:`after_run` for its warm process)
+    and every process that carries the run's marker."""
+    if agent is not None:
+        agent.terminate(grace=3.0)
+        after_run(agent, succeeded)
+    terminate_processes(marked_processes(RUN_ID_ENV, run_id), grace=1.0)
 
 
 def shutdown() -> None:

@@ -57,10 +57,7 @@ def layout_from_driver(
                 raise channel.ChannelError(f"no rendezvous store: {port_message.error}")
             port = port_message.port
         elif kind == DATA:
-            layout = DataLayout.decode(payload)
-            if layout.epoch_rows is None:
-                raise channel.ChannelError(f"no data layout: {layout.error}")
-            epoch_rows = layout.epoch_rows
+            epoch_rows = _epoch_rows(DataLayout.decode(payload))
         else:
             raise channel.ChannelError(f"expected the run's layout, got frame {kind}")
         wanted.discard(kind)
@@ -79,10 +76,13 @@ def feed_shards(
         kind, payload = client.recv_frame()
     if kind != DATA:
         raise channel.ChannelError(f"expected the data layout, got frame {kind}")
-    layout = DataLayout.decode(payload)
+    write_epoch_rows(os.path.join(workdir, "data"), _epoch_rows(DataLayout.decode(payload)))
+
+
+def _epoch_rows(layout: DataLayout) -> int:
     if layout.epoch_rows is None:
         raise channel.ChannelError(f"no data layout: {layout.error}")
-    write_epoch_rows(os.path.join(workdir, "data"), layout.epoch_rows)
+    return layout.epoch_rows
 
 
 def agree_in_stage(
@@ -108,9 +108,7 @@ def agree_in_stage(
     if not data:
         return int(first["port"]), None, anyone_relays
     layout = DataLayout.for_shards({n: g["rows"] for n, g in enumerate(gathered)})
-    if layout.epoch_rows is None:
-        raise channel.ChannelError(f"no data layout: {layout.error}")
-    return int(first["port"]), layout.epoch_rows, anyone_relays
+    return int(first["port"]), _epoch_rows(layout), anyone_relays
 
 
 def write_task_shards(partition: Iterable[Any], workdir: str, ranks: int) -> list[ShardFile]:
@@ -124,24 +122,13 @@ def write_task_shards(partition: Iterable[Any], workdir: str, ranks: int) -> lis
     return write_shards(itertools.chain([first], batches), first.schema, directory, ranks)
 
 
-def shard_env(workdir: str, schema_json: str, shards: list[ShardFile]) -> dict[str, str]:
+def shard_env(workdir: str, schema_json: str, streamed: bool) -> dict[str, str]:
     """What the ranks of a node need to find their shard (the worker picks its own by
-    ``LOCAL_RANK``), before the rows per epoch are known."""
-    directory = os.path.dirname(shards[0].path)
-    return {
-        DATA_DIR_ENV: directory,
-        SCHEMA_FILE_ENV: write_schema_file(schema_json, workdir),
-    }
-
-
-def streamed_shard_env(workdir: str, schema_json: str) -> dict[str, str]:
-    """What the ranks of a node need to find their shard (by ``LOCAL_RANK``) and to wait for
-    the rows per epoch (:func:`~sparktorch_ops.data.shards.wait_for_epoch_rows`), before the
-    shards are written."""
+    ``LOCAL_RANK``) and, when the shards are written while they start (``streamed``), to wait
+    for the rows per epoch (:func:`~sparktorch_ops.data.shards.wait_for_epoch_rows`)."""
     directory = os.path.join(workdir, "data")
     os.makedirs(directory, exist_ok=True)
-    return {
-        DATA_DIR_ENV: directory,
-        SCHEMA_FILE_ENV: write_schema_file(schema_json, workdir),
-        EPOCH_ROWS_FILE_ENV: epoch_rows_path(directory),
-    }
+    env = {DATA_DIR_ENV: directory, SCHEMA_FILE_ENV: write_schema_file(schema_json, workdir)}
+    if streamed:
+        env[EPOCH_ROWS_FILE_ENV] = epoch_rows_path(directory)
+    return env
