@@ -83,9 +83,10 @@ sto_deferred_train = _train(
     mlflow_experiment="sto-deferred",
 )
 sto_deferred_stopped = _train("sto_deferred_stopped")
-# Long enough for the ranks to start on a loaded machine (the other DAGs train meanwhile).
+# Long enough for the ranks to start on the slowest machines here while the other DAGs start
+# and train (their sessions took about two minutes there).
 sto_deferred_timeout = _train(
-    "sto_deferred_timeout", execution_timeout=datetime.timedelta(seconds=60)
+    "sto_deferred_timeout", execution_timeout=datetime.timedelta(seconds=150)
 )
 
 with DAG(

@@ -95,9 +95,10 @@ def _dag(
 
 # Marked failed by the test while it trains.
 sto_scheduled_mark_failed = _dag("sto_scheduled_mark_failed", 600)
-# execution_timeout ends it while it trains.
+# execution_timeout ends it while it trains: long enough for its session and ranks to start
+# beside the module's other DAGs on the slowest machines here (about two minutes).
 sto_scheduled_timeout = _dag(
-    "sto_scheduled_timeout", 600, execution_timeout=datetime.timedelta(seconds=75)
+    "sto_scheduled_timeout", 600, execution_timeout=datetime.timedelta(seconds=180)
 )
 # The test SIGKILLs the first try's task process mid-training; the retry continues the training.
 sto_scheduled_durable = _dag(
