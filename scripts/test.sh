@@ -4,7 +4,7 @@
 #   bash scripts/test.sh               everything (what CI runs): ruff and the benchmark pages'
 #                                      check, then the integration and e2e tiers in one pytest
 #                                      (failing when it takes over 1,100 s of the reference
-#                                      machine, scaled by a yardstick timed first),
+#                                      machine, scaled by the unit tier's time beside it),
 #                                      with mypy, the unit tier (pyspark/Airflow/Prefect/MLflow
 #                                      blocked) and the oldest version row's set-up beside it on
 #                                      the other core; then the core subset on that row
@@ -86,20 +86,27 @@ finish_beside() {
 }
 
 status=0
-# This machine's speed against the reference machine's, timed while nothing else runs: the
-# time budget below is in the reference machine's seconds (tests/support/time_budget.py).
-yardstick="$(python -m tests.support.time_budget)"
-echo "== time yardstick: $yardstick s"
+# The unit tier's seconds beside the other tiers are this machine's yardstick: the time budget
+# below is in the reference machine's seconds (tests/support/time_budget.py).
+yardstick="$(mktemp)"
+timed() {
+  local into="$1" started=$SECONDS status=0
+  shift
+  "$@" || status=$?
+  echo "$((SECONDS - started))" > "$into"
+  return "$status"
+}
 beside mypy mypy  # single-threaded, ~50 s from a clean clone
 if [ "$#" -eq 0 ]; then
-  beside "unit tier (integrations blocked)" "${python[@]}" -m tests.support.blocked_unit_tier -q
+  beside "unit tier (integrations blocked)" \
+    timed "$yardstick" "${python[@]}" -m tests.support.blocked_unit_tier -q
   # The oldest row's virtualenv (mostly downloads, once per pin change) builds meanwhile.
   [ "$coverage" = 1 ] || beside "oldest version row, set up" bash scripts/compat.sh --setup oldest
   budget=()
   # The integration and e2e tiers' share of the 22-minute suite, in seconds of the reference
-  # machine (scaled by the yardstick on a slower one); under coverage, times mean nothing. Over
-  # it, the run fails and lists its 25 slowest tests (tests/support/time_budget.py).
-  [ "$coverage" = 1 ] || budget=(--time-budget=1100 --time-yardstick="$yardstick")
+  # machine (scaled by the unit tier's time on a slower one); under coverage, times mean
+  # nothing. Over it, the run fails and lists its 25 slowest tests (tests/support/time_budget.py).
+  [ "$coverage" = 1 ] || budget=(--time-budget=1100 --time-yardstick-file="$yardstick")
   step "integration and e2e tiers" "${python[@]}" -m pytest -ra --durations=25 "${budget[@]}" \
     -m "not unit" || status=$?
   finish_beside || status=$?  # the row's set-up among them
@@ -110,4 +117,5 @@ else
   step "pytest $*" "${python[@]}" -m pytest -ra --durations=25 "$@" || status=$?
   finish_beside || status=$?
 fi
+rm -f "$yardstick"
 exit "$status"

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support import time_budget
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,19 +69,24 @@ def test_a_run_within_its_budget_passes_and_says_nothing(tmp_path: Path) -> None
 
 
 def test_a_slower_machine_gets_a_proportionally_larger_budget(tmp_path: Path) -> None:
-    ten_times_slower = str(time_budget.REFERENCE_YARDSTICK_S * 10)
-    proc = run_budgeted(tmp_path, "0.3", f"--time-yardstick={ten_times_slower}")
+    # The unit tier beside the run took ten times the reference machine's seconds.
+    yardstick = tmp_path / "unit-tier-seconds"
+    yardstick.write_text(f"{time_budget.REFERENCE_YARDSTICK_S * 10}\n")
+    proc = run_budgeted(tmp_path, "0.3", f"--time-yardstick-file={yardstick}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "of its budget of 3 s (0 s on the reference machine" in proc.stdout
     assert "10.00x its time" in proc.stdout
 
 
-def test_a_faster_machine_keeps_the_whole_budget() -> None:
+def test_a_faster_machine_or_no_yardstick_keeps_the_whole_budget(tmp_path: Path) -> None:
     half = time_budget.REFERENCE_YARDSTICK_S / 2
     assert time_budget.scaled_budget(1100, half) == 1100
     assert time_budget.scaled_budget(1100, None) == 1100
-    assert time_budget.scaled_budget(1100, time_budget.REFERENCE_YARDSTICK_S * 1.5) == 1650
-
-
-def test_the_yardstick_times_a_fixed_workload() -> None:
-    assert 0 < time_budget.yardstick_seconds(repeats=2) < 60
+    slower = time_budget.scaled_budget(1100, time_budget.REFERENCE_YARDSTICK_S * 1.5)
+    assert slower == pytest.approx(1650)
+    assert time_budget.read_yardstick(None) is None
+    assert time_budget.read_yardstick(str(tmp_path / "missing")) is None
+    (tmp_path / "empty").write_text("")  # the unit tier has not ended
+    assert time_budget.read_yardstick(str(tmp_path / "empty")) is None
+    (tmp_path / "seconds").write_text("83\n")
+    assert time_budget.read_yardstick(str(tmp_path / "seconds")) == 83
